@@ -1,0 +1,124 @@
+"""HF checkpoint key layouts -> kimi-mlx parameter names (pure functions over ``{key: mx.array}``).
+
+Accepted layouts for Kimi Linear:
+- Moonshot's original (``block_sparse_moe.experts.{e}.w1/w2/w3``, ``{q,k,v}_conv1d.weight: [C, 1, K]``,
+  ``A_log: [1, 1, H, 1]``, ``kv_b_proj.weight: [H*(nope+v), r]``);
+- mlx-lm converted / quantized dirs (``mlp.switch_mlp.*``, ``{q,k,v}_conv.conv.weight: [C, K, 1]``,
+  ``embed_q`` / ``unembed_out``, with ``.scales`` / ``.biases`` for quantized modules).
+"""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight|scales|biases)$")
+_EXPERT_NAME = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose tensors do not fit the model: names the tensor and what was expected."""
+
+
+def _stack_experts(weights: dict, num_experts: int) -> dict:
+    groups: dict[tuple, dict[int, mx.array]] = {}
+    out = {}
+    for key, value in weights.items():
+        m = _EXPERT.match(key)
+        if m is None:
+            out[key] = value
+            continue
+        layer, e, w, part = m.groups()
+        groups.setdefault((layer, w, part), {})[int(e)] = value
+    for (layer, w, part), experts in groups.items():
+        missing = sorted(set(range(num_experts)) - set(experts))
+        extra = sorted(set(experts) - set(range(num_experts)))
+        if missing or extra:
+            raise CheckpointError(
+                f"{layer}.block_sparse_moe.experts.*.{w}.{part}: expected experts 0..{num_experts - 1}, "
+                f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected {extra[:8]}"
+            )
+        shapes = {tuple(experts[e].shape) for e in experts}
+        if len(shapes) != 1:
+            raise CheckpointError(f"{layer}.block_sparse_moe.experts.*.{w}.{part}: experts differ in shape {shapes}")
+        out[f"{layer}.mlp.switch_mlp.{_EXPERT_NAME[w]}.{part}"] = mx.stack([experts[e] for e in range(num_experts)])
+    return out
+
+
+def _fuse_conv(weights: dict, prefix: str) -> None:
+    """{q,k,v}_conv1d.weight [C,1,K] or {q,k,v}_conv.conv.weight [C,K,1] -> qkv_conv.weight [3C, K]."""
+    parts = []
+    for name in "qkv":
+        for key, to_ck in (
+            (f"{prefix}.{name}_conv1d.weight", lambda w: w.reshape(w.shape[0], w.shape[-1])),
+            (f"{prefix}.{name}_conv.conv.weight", lambda w: w.reshape(w.shape[0], w.shape[1])),
+        ):
+            if key in weights:
+                w = weights.pop(key)
+                if w.ndim != 3:
+                    raise CheckpointError(f"{key}: expected a depthwise conv weight with 3 dims, got shape {w.shape}")
+                parts.append(to_ck(w))
+                break
+    if parts:
+        if len(parts) != 3:
+            raise CheckpointError(f"{prefix}: expected q, k and v short-conv weights, found {len(parts)} of 3")
+        weights[f"{prefix}.qkv_conv.weight"] = mx.concatenate(parts, axis=0)
+
+
+def _split_kv_b(weights: dict, prefix: str, cfg) -> None:
+    """kv_b_proj.weight [H*(nope+v), r] -> embed_q.weight [H, r, nope], unembed_out.weight [H, v, r]."""
+    key = f"{prefix}.kv_b_proj.weight"
+    if key not in weights:
+        return
+    H, nope, vd, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    w = weights.pop(key)
+    quant = None
+    if f"{prefix}.kv_b_proj.scales" in weights:
+        scales = weights.pop(f"{prefix}.kv_b_proj.scales")
+        biases = weights.pop(f"{prefix}.kv_b_proj.biases", None)
+        bits = (w.shape[-1] * 32) // r
+        group_size = r // scales.shape[-1]
+        quant = dict(group_size=group_size, bits=bits)
+        w = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+    if w.shape != (H * (nope + vd), r):
+        raise CheckpointError(f"{key}: expected shape {(H * (nope + vd), r)} (heads*(qk_nope+v), kv_lora_rank), got {w.shape}")
+    w = w.reshape(H, nope + vd, r)
+    split = {
+        "embed_q": mx.contiguous(w[:, :nope, :].swapaxes(-1, -2)),
+        "unembed_out": mx.contiguous(w[:, nope:, :]),
+    }
+    for name, value in split.items():
+        if quant is None:
+            weights[f"{prefix}.{name}.weight"] = value
+        else:
+            q, s, b = mx.quantize(value, **quant)
+            weights.update({f"{prefix}.{name}.weight": q, f"{prefix}.{name}.scales": s, f"{prefix}.{name}.biases": b})
+
+
+def kimi_linear_to_mlx(weights: dict[str, mx.array], cfg) -> dict[str, mx.array]:
+    """Rename/reshape a Kimi Linear checkpoint into kimi-mlx parameters (see module docstring)."""
+    weights = {k: v for k, v in weights.items() if not k.startswith(("model.mtp", "mtp."))}
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    weights = _stack_experts(weights, cfg.num_experts)
+    renames = (
+        (".block_sparse_moe.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"),
+        (".block_sparse_moe.gate.", ".mlp.gate."),
+        (".block_sparse_moe.shared_experts.", ".mlp.shared_experts."),
+    )
+    for key in list(weights):
+        for old, new in renames:
+            if old in key:
+                weights[key.replace(old, new)] = weights.pop(key)
+                break
+    for i in range(cfg.num_hidden_layers):
+        prefix = f"model.layers.{i}.self_attn"
+        if cfg.is_kda_layer(i):
+            _fuse_conv(weights, prefix)
+            for name in ("A_log", "dt_bias"):
+                if f"{prefix}.{name}" in weights:
+                    weights[f"{prefix}.{name}"] = weights[f"{prefix}.{name}"].reshape(-1)
+        else:
+            _split_kv_b(weights, prefix, cfg)
+    return weights

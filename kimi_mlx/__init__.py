@@ -1,0 +1,1 @@
+"""Kimi Linear and Kimi-K3 on MLX."""

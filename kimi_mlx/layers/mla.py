@@ -1,0 +1,63 @@
+"""NoPE multi-head latent attention (spec §1.5).
+
+Per head, q/k have ``qk_nope + qk_rope`` dims (the "rope" part is never rotated: NoPE), v has ``v_head_dim``; the
+softmax scale is ``(qk_nope + qk_rope) ** -0.5``. Only the normalised latent ``c_kv`` and the shared ``k_pe`` are
+cached. ``kv_b_proj`` is stored split (as mlx-lm does) into ``embed_q.weight: [H, r, qk_nope]`` (= W_kb^T) and
+``unembed_out.weight: [H, v_head_dim, r]`` (= W_vb), so decode runs absorbed in latent space and prefill expands
+k/v per head.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.mla import MultiLinear
+
+from ..cache import MLALatentCache
+from ..config import KimiLinearConfig
+
+
+class KimiMLA(nn.Module):
+    def __init__(self, cfg: KimiLinearConfig):
+        super().__init__()
+        self.num_heads = H = cfg.num_attention_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.rank = cfg.kv_lora_rank
+        self.scale = (self.nope + self.rope) ** -0.5
+        hidden = cfg.hidden_size
+        self.q_proj = nn.Linear(hidden, H * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope, bias=False)
+        self.kv_a_layernorm = nn.RMSNorm(self.rank, eps=cfg.mla_kv_norm_eps)
+        self.embed_q = MultiLinear(self.nope, self.rank, H)
+        self.unembed_out = MultiLinear(self.rank, self.v_dim, H)
+        self.o_proj = nn.Linear(H * self.v_dim, hidden, bias=False)
+
+    def __call__(
+        self, x: mx.array, mask: Optional[mx.array] = None, cache: Optional[MLALatentCache] = None
+    ) -> mx.array:
+        """x: [B, T, hidden]; mask: [B or 1, 1, T, S] bool (True = may attend) or None (no masking needed)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, self.num_heads, self.nope + self.rope).transpose(0, 2, 1, 3)
+        q_nope, q_pe = mx.split(q, [self.nope], axis=-1)
+        kv_latent, k_pe = mx.split(self.kv_a_proj_with_mqa(x), [self.rank], axis=-1)
+        kv_latent = self.kv_a_layernorm(kv_latent)[:, None]
+        k_pe = k_pe[:, None]
+        if cache is not None:
+            kv_latent, k_pe = cache.update_and_fetch(kv_latent, k_pe)
+
+        # The un-rotated k_pe part of the score enters SDPA as an additive mask: [B, H, T, S].
+        pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
+        if mask is not None:
+            pe_scores = mx.where(mask, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
+        if T == 1:  # absorbed: attend in latent space with one shared "head" of keys/values
+            out = mx.fast.scaled_dot_product_attention(
+                self.embed_q(q_nope), kv_latent, kv_latent, scale=self.scale, mask=pe_scores
+            )
+            out = self.unembed_out(out)
+        else:
+            k = self.embed_q(kv_latent, transpose=False)
+            v = self.unembed_out(kv_latent)
+            out = mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=self.scale, mask=pe_scores)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))

@@ -1,0 +1,204 @@
+"""Path | HF repo id | ``demo`` -> (model, tokenizer).
+
+Reads an HF-style directory (``config.json``, ``model.safetensors`` or sharded safetensors with an index,
+``tiktoken.model`` + ``tokenizer_config.json``) in Moonshot's original key layout or in mlx-lm's converted /
+quantized layout, checks every tensor against the model before loading, and optionally quantizes on load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .config import ConfigError, KimiLinearConfig
+from .convert.hf import CheckpointError
+from .models.kimi_linear import Model
+from .tokenizer import load_kimi_tokenizer
+
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """Neither a usable local model directory nor a downloadable HF repo id."""
+
+
+def resolve_model_path(path_or_id: Union[str, Path]) -> Path:
+    """Local directory as is; ``demo`` -> the built-in demo model; otherwise an HF repo id via huggingface_hub."""
+    if str(path_or_id) == "demo":
+        from .demo import demo_model_path
+
+        return demo_model_path()
+    path = Path(path_or_id).expanduser()
+    if path.exists():
+        if path.is_file():
+            raise ModelNotFoundError(
+                f"{path}: is a file; expected a model directory holding config.json and *.safetensors"
+            )
+        return path
+    text = str(path_or_id)
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"{text}: no such directory, and not an HF repo id of the form 'org/name'")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                text, allow_patterns=["*.json", "*.safetensors", "tiktoken.model", "*.tiktoken", "*.txt"]
+            )
+        )
+    except Exception as e:  # huggingface_hub raises many types: offline, 404, gated, network
+        raise ModelNotFoundError(
+            f"{text}: not a local directory, and the Hugging Face Hub download failed ({type(e).__name__}: {e}). "
+            f"Offline? Pass a local directory, or download it first with `hf download {text}`."
+        ) from None
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from None
+        files = sorted({path / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{index}: lists shard(s) not present in {path}: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weight files")
+    return files
+
+
+def load_weights(path: Path) -> dict[str, mx.array]:
+    """All tensors of a safetensors checkpoint (memory-mapped by MLX, materialised on first use)."""
+    weights = {}
+    for file in _safetensors_files(path):
+        try:
+            weights.update(mx.load(str(file)))
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read safetensors ({e})") from None
+    return weights
+
+
+def check_weights(model: nn.Module, weights: dict[str, mx.array], source: str) -> None:
+    """Every parameter present with its exact shape, nothing unknown; raise CheckpointError naming the tensors."""
+    expected = dict(tree_flatten(model.parameters()))
+    missing = [f"{k} {tuple(v.shape)}" for k, v in expected.items() if k not in weights]
+    unknown = [k for k in weights if k not in expected]
+    wrong = [
+        f"{k}: expected {tuple(v.shape)}, found {tuple(weights[k].shape)}"
+        for k, v in expected.items()
+        if k in weights and tuple(weights[k].shape) != tuple(v.shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors (with expected shape): {', '.join(missing[:10])}"
+                        + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+    if unknown:
+        problems.append(f"unexpected tensors: {', '.join(unknown[:10])}"
+                        + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""))
+    if wrong:
+        problems.append("wrong shapes: " + "; ".join(wrong[:10]))
+    if problems:
+        raise CheckpointError(f"{source}: checkpoint does not match the model config: " + " | ".join(problems))
+
+
+def _quantization_spec(quantize) -> Optional[dict]:
+    if quantize is None or quantize is False:
+        return None
+    spec = {"bits": quantize} if isinstance(quantize, int) else dict(quantize)
+    spec.setdefault("group_size", 64)
+    spec.setdefault("mode", "affine")
+    if spec["mode"] == "affine" and spec.get("bits") not in AFFINE_BITS:
+        raise ValueError(f"quantize bits={spec.get('bits')!r}: MLX affine quantization supports {AFFINE_BITS}")
+    if spec["group_size"] not in GROUP_SIZES:
+        raise ValueError(f"quantize group_size={spec['group_size']!r}: expected one of {GROUP_SIZES}")
+    return spec
+
+
+def _apply_checkpoint_quantization(model: Model, weights: dict, qconfig: dict) -> None:
+    """Turn the modules that the checkpoint stores quantized (mlx-lm ``quantization`` config) into quantized ones."""
+
+    def predicate(path: str, module: nn.Module):
+        if f"{path}.scales" not in weights:
+            return False
+        override = qconfig.get(path)
+        return override if isinstance(override, dict) else True
+
+    nn.quantize(
+        model, group_size=qconfig.get("group_size", 64), bits=qconfig.get("bits", 4),
+        mode=qconfig.get("mode", "affine"), class_predicate=predicate,
+    )
+
+
+def quantize_model(model: Model, spec: dict) -> None:
+    """On-load quantization; routers, norms and layers whose input width the group size does not divide stay float."""
+    base = model.quant_predicate
+
+    def predicate(path: str, module: nn.Module) -> bool:
+        weight = getattr(module, "weight", None)
+        return base(path, module) and weight is not None and weight.shape[-1] % spec["group_size"] == 0
+
+    nn.quantize(model, group_size=spec["group_size"], bits=spec["bits"], mode=spec["mode"], class_predicate=predicate)
+
+
+def load_model(
+    path: Path, dtype: Optional[mx.Dtype] = None, quantize=None
+) -> tuple[Model, KimiLinearConfig]:
+    """Build the model for ``path``'s config and load its weights (checked); see ``load``."""
+    raw = _read_config(path)
+    cfg = KimiLinearConfig.from_dict(raw, source=str(path / "config.json"))
+    spec = _quantization_spec(quantize)
+    source = str(path)
+    weights = load_weights(path)
+    fused_qkv = any(".self_attn.qkv_proj." in k for k in weights)
+    model = Model(cfg, fused_qkv=fused_qkv)
+    weights = model.sanitize(weights)
+    qconfig = raw.get("quantization")
+    if qconfig:
+        _apply_checkpoint_quantization(model, weights, qconfig)
+    check_weights(model, weights, source)
+    if dtype is not None:
+        keep = model.cast_predicate
+        weights = {
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and (keep(k) or dtype == mx.float32) else v
+            for k, v in weights.items()
+        }
+    model.load_weights(list(weights.items()), strict=True)
+    if spec is not None:
+        quantize_model(model, spec)
+    model.eval()
+    mx.eval(model.parameters())
+    return model, cfg
+
+
+def _read_config(path: Path) -> dict:
+    file = path / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: missing (expected an HF model directory)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: expected a JSON object")
+    return raw
+
+
+def load(path_or_hf_id: Union[str, Path], dtype: Optional[mx.Dtype] = None, quantize=None):
+    """``(model, tokenizer)`` like ``mlx_lm.load``.
+
+    dtype: cast float weights (e.g. ``mx.float32``); router bias, A_log, dt_bias and conv weights stay float32.
+    quantize: None, bits (int), or ``{"bits", "group_size", "mode"}`` for on-load affine quantization.
+    """
+    path = resolve_model_path(path_or_hf_id)
+    model, _ = load_model(path, dtype=dtype, quantize=quantize)
+    return model, load_kimi_tokenizer(path)
