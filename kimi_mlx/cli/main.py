@@ -1,0 +1,20 @@
+"""``kimi-mlx`` console entry point: one sub-command per module in this package."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import generate
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kimi-mlx", description="Kimi Linear / Kimi-K3 on MLX")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate.add_parser(commands)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

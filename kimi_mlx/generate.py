@@ -1,0 +1,164 @@
+"""Text generation in the shape of mlx-lm's API, on top of mlx-lm's token loop, samplers and detokenizers.
+
+``stream_generate`` yields ``mlx_lm.generate.GenerationResponse`` objects (text segment, token, logprobs, prompt and
+generation tokens/s, peak memory, finish reason); ``generate`` returns the whole text. Our additions over
+``mlx_lm.stream_generate``: sampling options by name, extra stop tokens and stop strings (never emitted, even in
+part), and ``batch_generate`` for a ragged, left-padded batch with the hybrid cache.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import GenerationResponse, generate_step
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+
+def _sampling(temp, top_p, top_k, min_p, repetition_penalty, sampler, logits_processors):
+    if sampler is None:
+        sampler = make_sampler(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    processors = list(logits_processors or [])
+    if repetition_penalty not in (None, 1.0):
+        processors += make_logits_processors(repetition_penalty=repetition_penalty)
+    return sampler, processors
+
+
+def _held_back(text: str, stop_strings: Sequence[str]) -> int:
+    """How many trailing characters of ``text`` could still be the start of a stop string."""
+    hold = 0
+    for s in stop_strings:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    return hold
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    prompt: Union[str, Sequence[int], mx.array],
+    max_tokens: int = 256,
+    *,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: Optional[float] = None,
+    sampler=None,
+    logits_processors=None,
+    stop_tokens: Sequence[int] = (),
+    stop_strings: Sequence[str] = (),
+    prompt_cache=None,
+    prefill_step_size: int = 2048,
+) -> Iterator[GenerationResponse]:
+    """Yield one ``GenerationResponse`` per generated token (text may be ``""`` while bytes are incomplete).
+
+    prompt: text (encoded as plain text, special-token strings are not interpreted) or token ids.
+    Stops on the tokenizer's eos ids, ``stop_tokens``, any of ``stop_strings`` (excluded from the text), or
+    ``max_tokens``; the last response has ``finish_reason`` "stop" or "length".
+    """
+    if isinstance(prompt, str):
+        prompt = tokenizer.encode(prompt)
+    prompt = mx.array(prompt) if not isinstance(prompt, mx.array) else prompt
+    if prompt.size == 0:
+        raise ValueError("prompt is empty: give at least one token")
+    sampler, processors = _sampling(temp, top_p, top_k, min_p, repetition_penalty, sampler, logits_processors)
+    stop_ids = set(tokenizer.eos_token_ids) | set(stop_tokens)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    text, emitted = "", 0
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+    steps = generate_step(
+        prompt, model, max_tokens=max_tokens, sampler=sampler, logits_processors=processors,
+        prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
+    )
+
+    def response(token, logprobs, n, segment, reason):
+        return GenerationResponse(
+            text=segment, token=token, logprobs=logprobs, from_draft=False, prompt_tokens=prompt.size,
+            prompt_tps=prompt_tps, generation_tokens=n, generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=reason,
+        )
+
+    n, token, logprobs = 0, None, None
+    for n, (token, logprobs) in enumerate(steps, start=1):
+        if n == 1:
+            prompt_tps = prompt.size / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        if token in stop_ids:
+            detok.finalize()
+            text += detok.last_segment
+            yield response(token, logprobs, n, text[emitted:], "stop")
+            return
+        detok.add_token(token)
+        text += detok.last_segment
+        hit = min((text.find(s) for s in stop_strings if s in text), default=-1)
+        if hit >= 0:
+            yield response(token, logprobs, n, text[emitted:hit], "stop")
+            return
+        if n == max_tokens:
+            break
+        safe = len(text) - _held_back(text, stop_strings)
+        if safe > emitted or n == 1:
+            yield response(token, logprobs, n, text[emitted:safe], None)
+            emitted = max(emitted, safe)
+        else:
+            yield response(token, logprobs, n, "", None)
+    detok.finalize()
+    text += detok.last_segment
+    yield response(token, logprobs, n, text[emitted:], "length")
+
+
+def generate(
+    model: nn.Module, tokenizer: TokenizerWrapper, prompt, max_tokens: int = 256, verbose: bool = False, **kwargs
+) -> str:
+    """The whole generated text (see ``stream_generate`` for the options); ``verbose`` streams it and prints stats."""
+    text, last = "", None
+    for last in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
+        text += last.text
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print()
+        print(
+            f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens-per-sec\n"
+            f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens-per-sec\n"
+            f"Peak memory: {last.peak_memory:.3f} GB"
+        )
+    return text
+
+
+def batch_generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    sampler=None,
+    pad_id: int = 0,
+) -> tuple[list[list[int]], list[mx.array]]:
+    """Generate for several prompts at once (greedy unless ``sampler``), left-padding to the longest prompt.
+
+    Returns (generated ids per prompt, per-step logprobs ``[B, vocab]``); no early stop, each row gets max_tokens.
+    """
+    longest = max(len(p) for p in prompts)
+    padding = [longest - len(p) for p in prompts]
+    tokens = mx.array([[pad_id] * pad + list(p) for pad, p in zip(padding, prompts)])
+    cache = model.make_cache(left_padding=padding)
+    sampler = sampler or (lambda lp: mx.argmax(lp, axis=-1))
+    out, steps = [[] for _ in prompts], []
+    logits = model(tokens, cache=cache)[:, -1]
+    for step in range(max_tokens):
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        nxt = sampler(logprobs)
+        mx.eval(nxt, logprobs)
+        steps.append(logprobs)
+        for row, t in zip(out, nxt.tolist()):
+            row.append(t)
+        if step + 1 < max_tokens:
+            logits = model(nxt[:, None], cache=cache)[:, -1]
+    return out, steps
