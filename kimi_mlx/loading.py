@@ -166,6 +166,8 @@ def load_model(
     if qconfig:
         _apply_checkpoint_quantization(model, weights, qconfig)
     check_weights(model, weights, source)
+    if dtype is None and mx.default_device() == mx.cpu:
+        dtype = mx.float32  # MLX's CPU backend runs float32 fastest, and its gather_mm (experts) is float32-only
     if dtype is not None:
         keep = model.cast_predicate
         weights = {
@@ -197,6 +199,7 @@ def load(path_or_hf_id: Union[str, Path], dtype: Optional[mx.Dtype] = None, quan
     """``(model, tokenizer)`` like ``mlx_lm.load``.
 
     dtype: cast float weights (e.g. ``mx.float32``); router bias, A_log, dt_bias and conv weights stay float32.
+        Default: as stored on the GPU, float32 on the CPU backend.
     quantize: None, bits (int), or ``{"bits", "group_size", "mode"}`` for on-load affine quantization.
     """
     path = resolve_model_path(path_or_hf_id)

@@ -166,3 +166,28 @@ def test_mlx_lm_quantized_directory(kl_dir, kl_manifest, tmp_path):
     assert "scales" in ours.layers[1].mlp.switch_mlp.gate_proj
     diff = mx.abs(ours(_ids(kl_manifest)) - ref(_ids(kl_manifest))).max().item()
     assert diff <= 1e-4, diff
+
+
+def test_fused_qkv_checkpoint(kl_copy, kl_model, kl_manifest):
+    """A checkpoint with KDA q/k/v projections fused into one qkv_proj gives the same logits as separate ones."""
+
+    def fuse(w):
+        for i in (0, 1, 3):
+            p = f"model.layers.{i}.self_attn"
+            w[f"{p}.qkv_proj.weight"] = mx.concatenate([w.pop(f"{p}.{n}_proj.weight") for n in "qkv"])
+
+    _edit_weights(kl_copy, fuse)
+    model, _ = load_model(kl_copy, dtype=mx.float32)
+    assert "qkv_proj" in model.layers[0].self_attn
+    diff = mx.abs(model(_ids(kl_manifest)) - kl_model(_ids(kl_manifest))).max().item()
+    assert diff <= 1e-6, diff
+
+
+def test_tied_embeddings(kl_copy, kl_manifest):
+    """tie_word_embeddings: lm_head.weight is dropped and the embedding matrix is the output projection."""
+    _edit_config(kl_copy, lambda c: c.__setitem__("tie_word_embeddings", True))
+    model, _ = load_model(kl_copy, dtype=mx.float32)
+    assert "lm_head" not in model
+    h = model.model(_ids(kl_manifest))
+    expected = h @ model.model.embed_tokens.weight.T
+    assert mx.allclose(model(_ids(kl_manifest)), expected, atol=1e-5).item()
