@@ -16,16 +16,14 @@ from ..config import KimiLinearConfig
 from ..ops.kda import kda_forward
 
 
-def short_conv(x: mx.array, weight: mx.array, state: Optional[mx.array]) -> tuple[mx.array, mx.array]:
+def short_conv(x: mx.array, weight: mx.array, state: mx.array) -> tuple[mx.array, mx.array]:
     """Causal depthwise conv + SiLU.
 
-    x: [B, T, C]; weight: [C, K]; state: [B, K-1, C] (previous inputs, oldest first) or None for zeros.
+    x: [B, T, C]; weight: [C, K]; state: [B, K-1, C] (previous inputs, oldest first; zeros at the start).
     Returns (silu(conv(x)) [B, T, C], new state [B, K-1, C]).
     """
     B, T, C = x.shape
     K = weight.shape[1]
-    if state is None:
-        state = mx.zeros((B, K - 1, C), dtype=x.dtype)
     u = mx.concatenate([state.astype(x.dtype), x], axis=1)
     w = weight.astype(mx.float32)
     y = u[:, K - 1 :].astype(mx.float32) * w[:, K - 1]
@@ -73,32 +71,52 @@ class KimiDeltaAttention(nn.Module):
             return self.qkv_proj(x)
         return mx.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
 
-    def decay(self, x: mx.array) -> mx.array:
-        """Per-channel log-decay g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias): [B, T, H, D] float32."""
-        B, T, _ = x.shape
-        f = self.f_b_proj(self.f_a_proj(x)).astype(mx.float32) + self.dt_bias.astype(mx.float32)
-        f = f.reshape(B, T, self.num_heads, self.head_dim)
-        rate = mx.exp(self.A_log.astype(mx.float32))[:, None]
-        return -rate * nn.softplus(f)
-
     def __call__(self, x: mx.array, mask: Optional[mx.array] = None, cache: Optional[KDACache] = None) -> mx.array:
         """x: [B, T, hidden]; mask: [B, T] bool (True = real token) or None."""
         B, T, _ = x.shape
-        H, D = self.num_heads, self.head_dim
         qkv = self._qkv(x)
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
         conv_state = cache.conv_state if cache is not None else None
         state = cache.recurrent_state if cache is not None else None
-        qkv, conv_state = short_conv(qkv, self.qkv_conv.weight, conv_state)
-        q, k, v = (t.reshape(B, T, H, D) for t in mx.split(qkv, 3, axis=-1))
-        q = l2_normalize(q, self.l2_eps) * (D**-0.5)
-        k = l2_normalize(k, self.l2_eps)
-        beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
-        o, state = kda_forward(q, k, v, self.decay(x), beta, state=state, mask=mask)
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.conv_kernel - 1, qkv.shape[-1]), dtype=qkv.dtype)
+        if state is None:
+            state = mx.zeros((B, self.num_heads, self.head_dim, self.head_dim), dtype=mx.float32)
+        # One decode step without padding runs as a single compiled graph (fewer, fused kernels).
+        core = _kda_core_compiled if T == 1 and mask is None else _kda_core
+        o, conv_state, state = core(
+            qkv, conv_state, state, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x),
+            self.g_b_proj(self.g_a_proj(x)), self.qkv_conv.weight, self.A_log, self.dt_bias, self.o_norm.weight,
+            mask, self.num_heads, self.l2_eps, self.o_norm.eps,
+        )
         if cache is not None:
             cache.conv_state, cache.recurrent_state = conv_state, state
             cache.advance(T)
-        gate = mx.sigmoid(self.g_b_proj(self.g_a_proj(x)).astype(mx.float32)).reshape(B, T, H, D)
-        o = mx.fast.rms_norm(o.astype(mx.float32), self.o_norm.weight.astype(mx.float32), self.o_norm.eps) * gate
-        return self.o_proj(o.reshape(B, T, H * D).astype(x.dtype))
+        return self.o_proj(o.astype(x.dtype))
+
+
+def _kda_core(qkv, conv_state, state, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, mask, H, l2_eps, norm_eps):
+    """Everything between the input projections and o_proj.
+
+    qkv: [B, T, 3*H*D] projected q|k|v (zeroed at masked steps); conv_state: [B, K-1, 3*H*D]; state: [B, H, D, D]
+    float32; f: [B, T, H*D] f_b(f_a(x)); b: [B, T, H] beta logits; gate: [B, T, H*D] output-gate logits.
+    Returns (o [B, T, H*D] float32, new conv_state, new state).
+    """
+    B, T, _ = qkv.shape
+    qkv, conv_state = short_conv(qkv, conv_weight, conv_state)
+    q, k, v = (t.reshape(B, T, H, -1) for t in mx.split(qkv, 3, axis=-1))
+    D = q.shape[-1]
+    q = l2_normalize(q, l2_eps) * (D**-0.5)
+    k = l2_normalize(k, l2_eps)
+    # Per-channel log-decay g = -exp(A_log[h]) * softplus(f + dt_bias): [B, T, H, D] float32.
+    f = (f.astype(mx.float32) + dt_bias.astype(mx.float32)).reshape(B, T, H, D)
+    g = -mx.exp(A_log.astype(mx.float32))[:, None] * nn.softplus(f)
+    beta = mx.sigmoid(b.astype(mx.float32))
+    o, state = kda_forward(q, k, v, g, beta, state=state, mask=mask)
+    gate = mx.sigmoid(gate.astype(mx.float32)).reshape(B, T, H, D)
+    o = mx.fast.rms_norm(o.astype(mx.float32), norm_weight.astype(mx.float32), norm_eps) * gate
+    return o.reshape(B, T, H * D), conv_state, state
+
+
+_kda_core_compiled = mx.compile(_kda_core)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
 from ..config import KimiLinearConfig
@@ -32,7 +33,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 def route(
@@ -65,6 +66,9 @@ def route(
     if renormalize and top_k > 1:
         weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
     return inds.astype(mx.uint32), weights * scaling
+
+
+_route_compiled = mx.compile(route)
 
 
 # Use the sorted dense-per-expert path from this many (token, slot) pairs on (tokens * top_k). Measured on the CPU
@@ -156,7 +160,7 @@ class SparseMoE(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         c = self.cfg
-        inds, weights = route(
+        inds, weights = _route_compiled(
             self.gate(x.astype(mx.float32)), self.e_score_correction_bias, c.num_experts_per_token,
             c.num_expert_group if c.use_grouped_topk else 1, c.topk_group, c.moe_renormalize,
             c.routed_scaling_factor,
