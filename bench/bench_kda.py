@@ -1,0 +1,90 @@
+"""Benchmark the KDA scan paths: kda_recurrent vs kda_chunked (several chunk sizes) vs mlx-lm's token loop.
+
+    python bench/bench_kda.py                       # T = 512, 2048; B=1, H=32, Dk=Dv=128
+    python bench/bench_kda.py --T 1,4,16,32,64 --chunks 16,32 --no-mlx-lm
+    python bench/bench_kda.py --grad --T 512
+
+Reports the median of ``--reps`` runs (after one warm-up) in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+
+from kimi_mlx.ops.kda import kda_chunked, kda_recurrent
+
+
+def make_inputs(B, T, H, D, seed=0):
+    mx.random.seed(seed)
+    q = mx.random.normal((B, T, H, D))
+    q = q / mx.linalg.norm(q, axis=-1, keepdims=True) * D**-0.5
+    k = mx.random.normal((B, T, H, D))
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    v = mx.random.normal((B, T, H, D))
+    g = -mx.exp(mx.random.uniform(-3, 1, (B, T, H, D)))
+    beta = mx.sigmoid(mx.random.normal((B, T, H)))
+    mx.eval(q, k, v, g, beta)
+    return q, k, v, g, beta
+
+
+def timeit(fn, reps):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--H", type=int, default=32)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--T", default="512,2048")
+    ap.add_argument("--chunks", default="16,32,64")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-recurrent", action="store_true")
+    ap.add_argument("--no-mlx-lm", action="store_true")
+    ap.add_argument("--grad", action="store_true", help="time value_and_grad of a scalar loss instead of forward")
+    args = ap.parse_args()
+
+    try:
+        from mlx_lm.models.gated_delta import gated_delta_ops
+    except ImportError:  # pragma: no cover
+        gated_delta_ops = None
+
+    print(f"device={mx.default_device()} B={args.B} H={args.H} Dk=Dv={args.D} grad={args.grad}")
+    for T in (int(t) for t in args.T.split(",")):
+        inputs = make_inputs(args.B, T, args.H, args.D)
+        fns = {}
+        for c in args.chunks.split(","):
+            fns[f"chunked C={c}"] = (lambda c: lambda *a: kda_chunked(*a, chunk_size=c))(int(c))
+        if not args.no_recurrent:
+            fns["recurrent"] = kda_recurrent
+        if not args.no_mlx_lm and gated_delta_ops is not None and not args.grad:
+            fns["mlx-lm gated_delta_ops"] = gated_delta_ops
+        row = []
+        for name, fn in fns.items():
+            if args.grad:
+                def loss(*a, fn=fn):
+                    o, s = fn(*a)
+                    return (o * o).sum() + s.sum()
+
+                vg = mx.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+                run = lambda vg=vg: mx.eval(vg(*inputs))  # noqa: E731
+            else:
+                run = lambda fn=fn: mx.eval(fn(*inputs))  # noqa: E731
+            reps = args.reps if (T <= 512 or "chunked" in name) else 1
+            ms = timeit(run, reps)
+            row.append(f"{name}: {ms:.1f} ms ({ms / T:.2f} ms/tok)")
+        print(f"T={T}: " + " | ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
