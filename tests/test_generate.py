@@ -67,12 +67,12 @@ def test_empty_prompt_rejected(demo):
         list(stream_generate(model, tok, "", max_tokens=4))
 
 
-def test_cli_generate_demo():
+def test_cli_generate_demo(tmp_path):
     """`kimi-mlx generate --model demo` runs end to end, prints the completion and a stats line."""
     out = subprocess.run(
         [sys.executable, "-m", "kimi_mlx.cli.main", "generate", "--model", "demo", "--prompt", "Hi",
          "--max-tokens", "8"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,  # the installed package, not the source tree
     )
     assert out.returncode == 0, out.stderr
     assert "generation: 8 tokens" in out.stderr and out.stdout.strip()
@@ -82,6 +82,6 @@ def test_cli_bad_model_path(tmp_path):
     """A missing model path exits with status 2 and an error naming the path."""
     out = subprocess.run(
         [sys.executable, "-m", "kimi_mlx.cli.main", "generate", "--model", str(tmp_path / "missing")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert out.returncode == 2 and str(tmp_path / "missing") in out.stderr

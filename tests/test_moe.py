@@ -115,3 +115,40 @@ def test_sparse_moe_uses_route_and_matches():
     inds, weights = moe.route(layer.gate(x), layer.e_score_correction_bias, K, 1, 1, True, 2.5)
     ref = (layer.switch_mlp(x, inds) * weights[..., None]).sum(-2) + layer.shared_experts(x)
     assert float(mx.abs(layer(x) - ref).max()) <= 1e-5
+
+
+def _route_reference(logits, bias, top_k, n_group, topk_group, renormalize, scaling):
+    """HF KimiMoEGate routing, written out in float64 numpy for one token."""
+    scores = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    choice = scores + bias
+    if n_group > 1 and topk_group < n_group:
+        groups = choice.reshape(n_group, -1)
+        group_score = np.sort(groups, axis=-1)[:, -2:].sum(-1)
+        keep = np.argsort(-group_score)[:topk_group]
+        masked = np.full_like(groups, -np.inf)
+        masked[keep] = groups[keep]
+        choice = masked.reshape(-1)
+    idx = np.argsort(-choice)[:top_k]
+    w = scores[idx]
+    if renormalize and top_k > 1:
+        w = w / (w.sum() + 1e-20)
+    return set(idx.tolist()), dict(zip(idx.tolist(), w * scaling))
+
+
+@pytest.mark.parametrize("n_group, topk_group", [(1, 1), (4, 2), (8, 3)])
+def test_route_matches_reference(n_group, topk_group):
+    """route(): selection by sigmoid + correction bias (within the kept expert groups), weights = unbiased sigmoid
+    scores renormalised then scaled -- equal to a float64 reference of HF's gate for 64 random tokens."""
+    from kimi_mlx.layers.moe import route
+
+    rng = np.random.default_rng(3)
+    E, k = 32, 4
+    logits = rng.standard_normal((64, E)).astype(np.float32)
+    bias = (0.3 * rng.standard_normal(E)).astype(np.float32)
+    inds, weights = route(mx.array(logits), mx.array(bias), k, n_group, topk_group, True, 2.446)
+    for t in range(64):
+        ref_idx, ref_w = _route_reference(logits[t], bias, k, n_group, topk_group, True, 2.446)
+        got = np.array(inds[t]).tolist()
+        assert set(got) == ref_idx, f"token {t}"
+        for e, w in zip(got, np.array(weights[t]).tolist()):
+            assert abs(w - ref_w[e]) < 1e-6, f"token {t} expert {e}"
