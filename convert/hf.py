@@ -5,6 +5,14 @@ Accepted layouts for Kimi Linear:
   ``A_log: [1, 1, H, 1]``, ``kv_b_proj.weight: [H*(nope+v), r]``);
 - mlx-lm converted / quantized dirs (``mlp.switch_mlp.*``, ``{q,k,v}_conv.conv.weight: [C, K, 1]``,
   ``embed_q`` / ``unembed_out``, with ``.scales`` / ``.biases`` for quantized modules).
+
+Kimi-K3 adds the ``language_model.`` prefix (added when a text-only export lacks it), AttnRes pairs
+``{self_attention,mlp,output_attn}_res_{norm,proj}``, latent-MoE projections, ``A_log`` stored padded (the first
+``num_heads`` entries are the per-head values), vision/MTP tensors (dropped), and compressed-tensors
+``mxfp4-pack-quantized`` routed experts (``weight_packed`` uint8 ``[out, in/2]``, two E2M1 codes per byte, low
+nibble = even element; ``weight_scale`` uint8 ``[out, in/32]``, E8M0). That is byte for byte MLX's
+``mode="mxfp4"`` layout (uint32 words of 8 low-nibble-first codes, uint8 E8M0 scales), so the experts are
+stacked and reinterpreted, never dequantized.
 """
 
 from __future__ import annotations
@@ -13,8 +21,13 @@ import re
 
 import mlx.core as mx
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight|scales|biases)$")
+_EXPERT = re.compile(
+    r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\."
+    r"(weight|scales|biases|weight_packed|weight_scale)$"
+)
 _EXPERT_NAME = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+# compressed-tensors MXFP4 part -> MLX quantized part
+_PACKED_PART = {"weight_packed": "weight", "weight_scale": "scales"}
 
 
 class CheckpointError(ValueError):
@@ -42,7 +55,19 @@ def _stack_experts(weights: dict, num_experts: int) -> dict:
         shapes = {tuple(experts[e].shape) for e in experts}
         if len(shapes) != 1:
             raise CheckpointError(f"{layer}.block_sparse_moe.experts.*.{w}.{part}: experts differ in shape {shapes}")
-        out[f"{layer}.mlp.switch_mlp.{_EXPERT_NAME[w]}.{part}"] = mx.stack([experts[e] for e in range(num_experts)])
+        stacked = mx.stack([experts[e] for e in range(num_experts)])
+        if part == "weight_packed":
+            if stacked.dtype != mx.uint8 or stacked.shape[-1] % 4:
+                raise CheckpointError(
+                    f"{layer}.block_sparse_moe.experts.*.{w}.weight_packed: expected uint8 [out, in/2] with in/2 a "
+                    f"multiple of 4, got {stacked.dtype} {tuple(stacked.shape[1:])}"
+                )
+            stacked = stacked.view(mx.uint32)  # 8 E2M1 codes per word, low nibble first: MLX's mxfp4 packing
+        elif part == "weight_scale" and stacked.dtype != mx.uint8:
+            raise CheckpointError(
+                f"{layer}.block_sparse_moe.experts.*.{w}.weight_scale: expected uint8 E8M0 scales, got {stacked.dtype}"
+            )
+        out[f"{layer}.mlp.switch_mlp.{_EXPERT_NAME[w]}.{_PACKED_PART.get(part, part)}"] = stacked
     return out
 
 
@@ -104,8 +129,9 @@ def kimi_linear_to_mlx(weights: dict[str, mx.array], cfg) -> dict[str, mx.array]
     weights = _stack_experts(weights, cfg.num_experts)
     renames = (
         (".block_sparse_moe.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"),
-        (".block_sparse_moe.gate.", ".mlp.gate."),
-        (".block_sparse_moe.shared_experts.", ".mlp.shared_experts."),
+        (".block_sparse_moe.", ".mlp."),
+        ("_res_norm.", "_res.norm."),
+        ("_res_proj.", "_res.proj."),
     )
     for key in list(weights):
         for old, new in renames:
@@ -116,9 +142,24 @@ def kimi_linear_to_mlx(weights: dict[str, mx.array], cfg) -> dict[str, mx.array]
         prefix = f"model.layers.{i}.self_attn"
         if cfg.is_kda_layer(i):
             _fuse_conv(weights, prefix)
-            for name in ("A_log", "dt_bias"):
-                if f"{prefix}.{name}" in weights:
-                    weights[f"{prefix}.{name}"] = weights[f"{prefix}.{name}"].reshape(-1)
+            if f"{prefix}.dt_bias" in weights:
+                weights[f"{prefix}.dt_bias"] = weights[f"{prefix}.dt_bias"].reshape(-1)
+            if f"{prefix}.A_log" in weights:  # per head; K3 stores it padded: keep the first num_heads entries
+                a_log = weights[f"{prefix}.A_log"].reshape(-1)
+                weights[f"{prefix}.A_log"] = a_log[: cfg.kda_num_heads] if cfg.is_k3 else a_log
         else:
             _split_kv_b(weights, prefix, cfg)
     return weights
+
+
+_K3_DROPPED = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+
+
+def kimi_k3_to_mlx(weights: dict[str, mx.array], cfg) -> dict[str, mx.array]:
+    """Kimi-K3 checkpoint -> kimi-mlx parameters under ``language_model.`` (see module docstring)."""
+    text = {}
+    for key, value in weights.items():
+        bare = key[len("language_model."):] if key.startswith("language_model.") else key
+        if not bare.startswith(_K3_DROPPED):
+            text[bare] = value
+    return {f"language_model.{k}": v for k, v in kimi_linear_to_mlx(text, cfg).items()}

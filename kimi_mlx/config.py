@@ -1,15 +1,20 @@
-"""Typed, validated configuration for Kimi Linear (HF ``config.json``, ``model_type: kimi_linear``).
+"""Typed, validated configuration for Kimi Linear and Kimi-K3 (HF ``config.json``).
 
-Conventions (see ../shared/spec/kimi_spec.md §1.2 and §6):
-- ``linear_attn_config.kda_layers`` / ``full_attn_layers`` are 1-based in the file; ``KimiLinearConfig.kda_layers``
+- Kimi Linear: ``model_type: kimi_linear`` (``KimiLinearForCausalLM``), the config at the top level.
+- Kimi-K3: ``model_type: kimi_k3`` (``KimiK3ForConditionalGeneration``) with the text model nested under
+  ``text_config`` (whose own ``model_type`` says kimi_linear): routing is on the top level.
+
+Conventions (see ../shared/spec/kimi_spec.md §1.2, §2.1 and §6):
+- ``linear_attn_config.kda_layers`` / ``full_attn_layers`` are 1-based in the file; ``KimiConfig.kda_layers``
   holds them 0-based.
-- ``head_dim`` (72 in the released model) is a legacy decoy and is ignored: KDA uses ``kda_head_dim``, MLA uses
+- ``head_dim`` (72 in the released Kimi Linear) is a legacy decoy and is ignored: KDA uses ``kda_head_dim``, MLA uses
   ``qk_nope_head_dim + qk_rope_head_dim`` for q/k (and for the softmax scale) and ``v_head_dim`` for v.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from numbers import Real
 from typing import Any, Optional
 
 
@@ -22,8 +27,8 @@ def _fail(source: str, key: str, found: Any, expected: str) -> None:
 
 
 @dataclass
-class KimiLinearConfig:
-    """Kimi Linear hyper-parameters, 0-based layer schedule."""
+class KimiConfig:
+    """Kimi Linear / Kimi-K3 text-model hyper-parameters, 0-based layer schedule. K3-only features default off."""
 
     vocab_size: int
     hidden_size: int
@@ -60,6 +65,20 @@ class KimiLinearConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: list[int] = field(default_factory=list)
     model_type: str = "kimi_linear"
+    # Kimi-K3 features
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "situ"
+    situ_beta: float = 1.0
+    situ_linear_beta: Optional[float] = None  # None: the up projection is not soft-clipped
+    mla_use_output_gate: bool = False
+    kda_full_rank_gate: bool = False
+    kda_gate_lower_bound: Optional[float] = None  # set: g = lb * sigmoid(exp(A_log) * (f + dt_bias))
+    routed_expert_hidden_size: Optional[int] = None  # set: latent MoE
+    latent_moe_use_norm: bool = False
+    attn_res_block_size: Optional[int] = None  # set: cross-layer attention residuals, counted in decoder layers
+
+    @property
+    def is_k3(self) -> bool:
+        return self.model_type == "kimi_k3"
 
     def is_kda_layer(self, i: int) -> bool:
         return i in self.kda_layers
@@ -67,76 +86,105 @@ class KimiLinearConfig:
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
 
-    def to_dict(self) -> dict:
-        """Round-trippable HF-style dict (1-based layer lists), as written by our model writer."""
-        d = asdict(self)
-        kda = d.pop("kda_layers")
-        d["linear_attn_config"] = {
-            "kda_layers": [i + 1 for i in kda],
-            "full_attn_layers": [i + 1 for i in range(self.num_hidden_layers) if i not in kda],
-            "num_heads": d.pop("kda_num_heads"),
-            "head_dim": d.pop("kda_head_dim"),
-            "short_conv_kernel_size": d.pop("short_conv_kernel_size"),
-        }
-        d.pop("mla_kv_norm_eps")
-        d.pop("kda_l2_eps")
-        d["mla_use_nope"] = True
-        d["hidden_act"] = "silu"
-        d["moe_router_activation_func"] = "sigmoid"
-        d["architectures"] = ["KimiLinearForCausalLM"]
-        return d
+    @classmethod
+    def from_hf(cls, raw: dict, source: str = "config.json") -> "KimiConfig":
+        """Route on the top-level ``model_type``: kimi_linear, or kimi_k3 with its nested ``text_config``."""
+        model_type = raw.get("model_type")
+        if model_type == "kimi_k3":
+            text = raw.get("text_config")
+            if not isinstance(text, dict):
+                _fail(source, "text_config", text, "an object holding the K3 text model config")
+            return cls._parse(text, source, k3=True, prefix="text_config.")
+        if model_type == "kimi_linear":
+            return cls._parse(raw, source, k3=False, prefix="")
+        _fail(source, "model_type", model_type, "'kimi_linear' or 'kimi_k3'")
 
     @classmethod
-    def from_dict(cls, raw: dict, source: str = "config.json") -> "KimiLinearConfig":
-        """Parse and validate an HF Kimi Linear config dict; raise ConfigError naming the key on anything unsupported."""
+    def _parse(cls, raw: dict, source: str, k3: bool, prefix: str) -> "KimiConfig":
+        def key(name: str) -> str:
+            return prefix + name
 
-        def need(key: str, kind=int, d: dict = raw, prefix: str = ""):
-            if key not in d or d[key] is None:
-                _fail(source, prefix + key, None, f"a {kind.__name__} (missing)")
-            value = d[key]
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-                _fail(source, prefix + key, value, f"a {kind.__name__}")
+        def need(name: str, kind=int, d: dict = raw, at: str = ""):
+            full = key(at + name)
+            if name not in d or d[name] is None:
+                _fail(source, full, None, f"a {kind.__name__} (missing)")
+            value = d[name]
+            if kind is float and isinstance(value, Real) and not isinstance(value, bool):
+                return float(value)
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+                _fail(source, full, value, f"a {kind.__name__}")
             return value
 
-        def positive(key: str, value: int) -> int:
-            if value < 1:
-                _fail(source, key, value, "an integer >= 1")
+        def positive(name: str, value) -> int:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                _fail(source, key(name), value, "an integer >= 1")
             return value
 
-        model_type = raw.get("model_type")
-        if model_type != "kimi_linear":
-            _fail(source, "model_type", model_type, "'kimi_linear' (Kimi-K3 configs are routed elsewhere)")
+        def k3_only(name: str, value, off) -> None:
+            if not k3 and value not in (None, off):
+                _fail(source, key(name), value, f"absent or {off!r} for kimi_linear (a Kimi-K3 feature)")
+
         if raw.get("mla_use_nope") is not True:
-            _fail(source, "mla_use_nope", raw.get("mla_use_nope"), "true (only NoPE MLA is supported)")
+            _fail(source, key("mla_use_nope"), raw.get("mla_use_nope"), "true (only NoPE MLA is supported)")
         act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            _fail(source, "hidden_act", act, "'silu' (SwiGLU) for kimi_linear")
+        if act not in (("silu", "situ") if k3 else ("silu",)):
+            _fail(source, key("hidden_act"), act, "'silu' (SwiGLU)" + (" or 'situ'" if k3 else " for kimi_linear"))
         router = raw.get("moe_router_activation_func", "sigmoid")
         if router != "sigmoid":
-            _fail(source, "moe_router_activation_func", router, "'sigmoid'")
+            _fail(source, key("moe_router_activation_func"), router, "'sigmoid'")
 
         n_layers = positive("num_hidden_layers", need("num_hidden_layers"))
         lac = raw.get("linear_attn_config")
         if not isinstance(lac, dict):
-            _fail(source, "linear_attn_config", lac, "an object with kda_layers/full_attn_layers/num_heads/head_dim")
+            _fail(source, key("linear_attn_config"), lac,
+                  "an object with kda_layers/full_attn_layers/num_heads/head_dim")
         p = "linear_attn_config."
         kda_1 = need("kda_layers", list, lac, p)
         full_1 = need("full_attn_layers", list, lac, p)
         for name, lst in (("kda_layers", kda_1), ("full_attn_layers", full_1)):
             bad = [i for i in lst if not isinstance(i, int) or not 1 <= i <= n_layers]
             if bad:
-                _fail(source, p + name, lst, f"1-based layer numbers in 1..{n_layers} (bad: {bad})")
+                _fail(source, key(p + name), lst, f"1-based layer numbers in 1..{n_layers} (bad: {bad})")
         overlap = sorted(set(kda_1) & set(full_1))
         missing = sorted(set(range(1, n_layers + 1)) - set(kda_1) - set(full_1))
         if overlap or missing:
-            _fail(source, p + "kda_layers/full_attn_layers", {"kda": kda_1, "full": full_1},
+            _fail(source, key(p + "kda_layers/full_attn_layers"), {"kda": kda_1, "full": full_1},
                   f"a partition of layers 1..{n_layers} (overlap {overlap}, uncovered {missing})")
-        if lac.get("gate_lower_bound") is not None:
-            _fail(source, p + "gate_lower_bound", lac["gate_lower_bound"], "absent for kimi_linear (K3 only)")
-        if lac.get("use_full_rank_gate"):
-            _fail(source, p + "use_full_rank_gate", True, "false/absent for kimi_linear (K3 only)")
+
+        lower_bound = lac.get("gate_lower_bound")
+        k3_only(p + "gate_lower_bound", lower_bound, None)
+        if lower_bound is not None:
+            if not isinstance(lower_bound, Real) or isinstance(lower_bound, bool) or not lower_bound < 0:
+                _fail(source, key(p + "gate_lower_bound"), lower_bound, "a negative number (e.g. -5.0) or null")
+            lower_bound = float(lower_bound)
+        full_rank_gate = lac.get("use_full_rank_gate", False)
+        k3_only(p + "use_full_rank_gate", full_rank_gate, False)
+        if not isinstance(full_rank_gate, bool):
+            _fail(source, key(p + "use_full_rank_gate"), full_rank_gate, "true or false")
+        block = raw.get("attn_res_block_size")
+        k3_only("attn_res_block_size", block, None)
+        if block is not None:
+            if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= n_layers:
+                _fail(source, key("attn_res_block_size"), block, f"an integer in 1..num_hidden_layers ({n_layers})")
+        latent = raw.get("routed_expert_hidden_size")
+        k3_only("routed_expert_hidden_size", latent, None)
+        if latent is not None:
+            positive("routed_expert_hidden_size", latent)
+        out_gate = raw.get("mla_use_output_gate", False)
+        k3_only("mla_use_output_gate", out_gate, False)
+        q_lora = raw.get("q_lora_rank")
+        k3_only("q_lora_rank", q_lora, None)
+        if q_lora is not None:
+            positive("q_lora_rank", q_lora)
+        situ_beta, situ_linear = 1.0, None
+        if act == "situ":
+            situ_beta = need("activation_situ_beta", float)
+            situ_linear = raw.get("activation_situ_linear_beta")
+            if situ_linear is not None:
+                situ_linear = need("activation_situ_linear_beta", float)
+            for name, value in (("activation_situ_beta", situ_beta), ("activation_situ_linear_beta", situ_linear)):
+                if value is not None and not value > 0:
+                    _fail(source, key(name), value, "a positive number")
 
         eos = raw.get("eos_token_id")
         eos_list = [eos] if isinstance(eos, int) else list(eos or [])
@@ -156,7 +204,7 @@ class KimiLinearConfig:
             qk_nope_head_dim=positive("qk_nope_head_dim", need("qk_nope_head_dim")),
             qk_rope_head_dim=need("qk_rope_head_dim"),
             v_head_dim=positive("v_head_dim", need("v_head_dim")),
-            q_lora_rank=raw.get("q_lora_rank"),
+            q_lora_rank=q_lora,
             num_experts=n_experts,
             num_experts_per_token=raw.get("num_experts_per_token", 1),
             moe_intermediate_size=raw.get("moe_intermediate_size") or 0,
@@ -171,16 +219,24 @@ class KimiLinearConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos_list,
+            model_type="kimi_k3" if k3 else "kimi_linear",
+            hidden_act=act,
+            situ_beta=situ_beta,
+            situ_linear_beta=situ_linear,
+            mla_use_output_gate=bool(out_gate),
+            kda_full_rank_gate=full_rank_gate,
+            kda_gate_lower_bound=lower_bound,
+            routed_expert_hidden_size=latent,
+            latent_moe_use_norm=bool(raw.get("latent_moe_use_norm", False)) and latent is not None,
+            attn_res_block_size=block,
         )
-        if cfg.q_lora_rank is not None:
-            _fail(source, "q_lora_rank", cfg.q_lora_rank, "null for kimi_linear (q-LoRA MLA is a Kimi-K3 feature)")
         if n_experts:
             positive("moe_intermediate_size", cfg.moe_intermediate_size)
             k = cfg.num_experts_per_token
             if not 1 <= k <= n_experts:
-                _fail(source, "num_experts_per_token", k, f"1..num_experts ({n_experts})")
+                _fail(source, key("num_experts_per_token"), k, f"1..num_experts ({n_experts})")
             if n_experts % cfg.num_expert_group:
-                _fail(source, "num_expert_group", cfg.num_expert_group, f"a divisor of num_experts ({n_experts})")
+                _fail(source, key("num_expert_group"), cfg.num_expert_group, f"a divisor of num_experts ({n_experts})")
             if not 1 <= cfg.topk_group <= cfg.num_expert_group:
-                _fail(source, "topk_group", cfg.topk_group, f"1..num_expert_group ({cfg.num_expert_group})")
+                _fail(source, key("topk_group"), cfg.topk_group, f"1..num_expert_group ({cfg.num_expert_group})")
         return cfg

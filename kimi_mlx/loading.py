@@ -15,8 +15,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .config import ConfigError, KimiLinearConfig
+from .config import ConfigError, KimiConfig
 from .convert.hf import CheckpointError
+from .models.kimi_k3 import K3Model
 from .models.kimi_linear import Model
 from .tokenizer import load_kimi_tokenizer
 
@@ -124,8 +125,25 @@ def _quantization_spec(quantize) -> Optional[dict]:
     return spec
 
 
-def _apply_checkpoint_quantization(model: Model, weights: dict, qconfig: dict) -> None:
-    """Turn the modules that the checkpoint stores quantized (mlx-lm ``quantization`` config) into quantized ones."""
+def checkpoint_quantization(raw: dict, source: str) -> Optional[dict]:
+    """How the checkpoint stores quantized modules: mlx-lm's ``quantization`` dict (with per-path overrides), or
+    compressed-tensors ``mxfp4-pack-quantized`` (K3's routed experts) as MLX mxfp4 (group 32, 4 bits)."""
+    if raw.get("quantization"):
+        return raw["quantization"]
+    qc = raw.get("quantization_config")
+    if not qc:
+        return None
+    method, fmt = qc.get("quant_method"), qc.get("format")
+    if method == "compressed-tensors" and fmt == "mxfp4-pack-quantized":
+        return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    raise CheckpointError(
+        f"{source}: quantization_config quant_method={method!r} format={fmt!r} is not supported; expected "
+        f"compressed-tensors 'mxfp4-pack-quantized' or an mlx-lm 'quantization' entry"
+    )
+
+
+def _apply_checkpoint_quantization(model: nn.Module, weights: dict, qconfig: dict) -> None:
+    """Turn the modules that the checkpoint stores quantized into quantized ones (``*.scales`` present)."""
 
     def predicate(path: str, module: nn.Module):
         if f"{path}.scales" not in weights:
@@ -139,7 +157,7 @@ def _apply_checkpoint_quantization(model: Model, weights: dict, qconfig: dict) -
     )
 
 
-def quantize_model(model: Model, spec: dict) -> None:
+def quantize_model(model: nn.Module, spec: dict) -> None:
     """On-load quantization; routers, norms and layers whose input width the group size does not divide stay float."""
     base = model.quant_predicate
 
@@ -152,17 +170,17 @@ def quantize_model(model: Model, spec: dict) -> None:
 
 def load_model(
     path: Path, dtype: Optional[mx.Dtype] = None, quantize=None
-) -> tuple[Model, KimiLinearConfig]:
+) -> tuple[Union[Model, K3Model], KimiConfig]:
     """Build the model for ``path``'s config and load its weights (checked); see ``load``."""
     raw = _read_config(path)
-    cfg = KimiLinearConfig.from_dict(raw, source=str(path / "config.json"))
+    cfg = KimiConfig.from_hf(raw, source=str(path / "config.json"))
     spec = _quantization_spec(quantize)
     source = str(path)
+    qconfig = checkpoint_quantization(raw, str(path / "config.json"))
     weights = load_weights(path)
     fused_qkv = any(".self_attn.qkv_proj." in k for k in weights)
-    model = Model(cfg, fused_qkv=fused_qkv)
+    model = (K3Model if cfg.is_k3 else Model)(cfg, fused_qkv=fused_qkv)
     weights = model.sanitize(weights)
-    qconfig = raw.get("quantization")
     if qconfig:
         _apply_checkpoint_quantization(model, weights, qconfig)
     check_weights(model, weights, source)

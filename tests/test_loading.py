@@ -8,7 +8,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from kimi_mlx.config import ConfigError, KimiLinearConfig
+from kimi_mlx.config import ConfigError, KimiConfig
 from kimi_mlx.convert.hf import CheckpointError
 from kimi_mlx.loading import ModelNotFoundError, load, load_model
 
@@ -109,7 +109,7 @@ def test_bad_config_names_the_key(kl_copy, edit, key):
 def test_config_decoys(kl_dir):
     """head_dim (a legacy decoy) is ignored, layer lists are 1-based, MLA scale uses qk_nope + qk_rope."""
     raw = json.loads((kl_dir / "hf" / "config.json").read_text())
-    cfg = KimiLinearConfig.from_dict(dict(raw, head_dim=12345))
+    cfg = KimiConfig.from_hf(dict(raw, head_dim=12345))
     assert cfg.kda_layers == [0, 1, 3] and not cfg.is_kda_layer(2)
     from kimi_mlx.layers.mla import KimiMLA
 

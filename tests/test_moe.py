@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from kimi_mlx.config import KimiLinearConfig
+from kimi_mlx.config import KimiConfig
 from kimi_mlx.layers import moe
 from kimi_mlx.layers.moe import SORTED_MIN_PAIRS, SparseMoE, sorted_switch_glu, switch_glu
 
@@ -102,7 +102,7 @@ def test_gradients_match():
 
 def test_sparse_moe_uses_route_and_matches():
     """SparseMoE output (prefill-sized input, sorted path) equals route() + SwitchGLU + weighted sum + shared expert."""
-    cfg = KimiLinearConfig(
+    cfg = KimiConfig(
         vocab_size=32, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
         rms_norm_eps=1e-5, kda_layers=[0], kda_num_heads=1, kda_head_dim=16, short_conv_kernel_size=4,
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, num_experts=E,

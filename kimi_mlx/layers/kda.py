@@ -2,6 +2,8 @@
 
 Parameter names follow mlx-lm's ``kimi_linear`` (so LoRA adapters carry over), except the three depthwise convs,
 which are fused into one ``qkv_conv.weight: [3*H*D, K]`` (column K-1 multiplies the current token).
+Kimi-K3 variants: a full-rank output gate ``g_proj`` instead of ``g_a_proj``/``g_b_proj``, and the lower-bound decay
+gate (``kda_decay``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KDACache
-from ..config import KimiLinearConfig
+from ..config import KimiConfig
 from ..ops.kda import kda_forward
 
 
@@ -42,7 +44,7 @@ def l2_normalize(x: mx.array, eps: float) -> mx.array:
 class KimiDeltaAttention(nn.Module):
     """KDA mixer for one layer. Input/output ``[B, T, hidden]``; state in a ``KDACache``."""
 
-    def __init__(self, cfg: KimiLinearConfig, fused_qkv: bool = False):
+    def __init__(self, cfg: KimiConfig, fused_qkv: bool = False):
         super().__init__()
         self.num_heads = H = cfg.kda_num_heads
         self.head_dim = D = cfg.kda_head_dim
@@ -60,8 +62,12 @@ class KimiDeltaAttention(nn.Module):
         self.f_a_proj = nn.Linear(hidden, D, bias=False)
         self.f_b_proj = nn.Linear(D, proj, bias=False)
         self.b_proj = nn.Linear(hidden, H, bias=False)
-        self.g_a_proj = nn.Linear(hidden, D, bias=False)
-        self.g_b_proj = nn.Linear(D, proj, bias=False)
+        if cfg.kda_full_rank_gate:  # K3: one full-rank output-gate projection
+            self.g_proj = nn.Linear(hidden, proj, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(hidden, D, bias=False)
+            self.g_b_proj = nn.Linear(D, proj, bias=False)
+        self.lower_bound = cfg.kda_gate_lower_bound
         self.A_log = mx.zeros((H,))
         self.dt_bias = mx.zeros((proj,))
         self.o_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
@@ -71,6 +77,11 @@ class KimiDeltaAttention(nn.Module):
         if "qkv_proj" in self:
             return self.qkv_proj(x)
         return mx.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+
+    def _gate(self, x: mx.array) -> mx.array:
+        if "g_proj" in self:
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
 
     def __call__(self, x: mx.array, mask: Optional[mx.array] = None, cache: Optional[KDACache] = None) -> mx.array:
         """x: [B, T, hidden]; mask: [B, T] bool (True = real token) or None."""
@@ -88,8 +99,8 @@ class KimiDeltaAttention(nn.Module):
         core = _kda_core_compiled if T == 1 and mask is None else _kda_core
         o, conv_state, state = core(
             qkv, conv_state, state, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x),
-            self.g_b_proj(self.g_a_proj(x)), self.qkv_conv.weight, self.A_log, self.dt_bias, self.o_norm.weight,
-            mask, self.num_heads, self.l2_eps, self.o_norm.eps,
+            self._gate(x), self.qkv_conv.weight, self.A_log, self.dt_bias, self.o_norm.weight,
+            mask, self.num_heads, self.l2_eps, self.o_norm.eps, self.lower_bound,
         )
         if cache is not None:
             cache.conv_state, cache.recurrent_state = conv_state, state
@@ -97,7 +108,25 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(o.astype(x.dtype))
 
 
-def _kda_core(qkv, conv_state, state, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, mask, H, l2_eps, norm_eps):
+def kda_decay(f: mx.array, A_log: mx.array, dt_bias: mx.array, lower_bound: Optional[float]) -> mx.array:
+    """Per-channel log-decay from the raw f_b(f_a(x)) projection f: [B, T, H, D] -> [B, T, H, D] float32.
+
+    Kimi Linear: g = -exp(A_log[h]) * softplus(f + dt_bias).
+    K3 (``lower_bound`` lb < 0): g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias)) (replaces softplus; not a clamp).
+    A_log: [H]; dt_bias: [H*D].
+    """
+    H, D = f.shape[-2:]
+    z = f.astype(mx.float32) + dt_bias.astype(mx.float32).reshape(H, D)
+    rate = mx.exp(A_log.astype(mx.float32))[:, None]
+    if lower_bound is None:
+        return -rate * nn.softplus(z)
+    return lower_bound * mx.sigmoid(rate * z)
+
+
+def _kda_core(
+    qkv, conv_state, state, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, mask, H, l2_eps, norm_eps,
+    lower_bound,
+):
     """Everything between the input projections and o_proj.
 
     qkv: [B, T, 3*H*D] projected q|k|v (zeroed at masked steps); conv_state: [B, K-1, 3*H*D]; state: [B, H, D, D]
@@ -110,9 +139,7 @@ def _kda_core(qkv, conv_state, state, f, b, gate, conv_weight, A_log, dt_bias, n
     D = q.shape[-1]
     q = l2_normalize(q, l2_eps) * (D**-0.5)
     k = l2_normalize(k, l2_eps)
-    # Per-channel log-decay g = -exp(A_log[h]) * softplus(f + dt_bias): [B, T, H, D] float32.
-    f = (f.astype(mx.float32) + dt_bias.astype(mx.float32)).reshape(B, T, H, D)
-    g = -mx.exp(A_log.astype(mx.float32))[:, None] * nn.softplus(f)
+    g = kda_decay(f.reshape(B, T, H, D), A_log, dt_bias, lower_bound)
     beta = mx.sigmoid(b.astype(mx.float32))
     o, state = kda_forward(q, k, v, g, beta, state=state, mask=mask)
     gate = mx.sigmoid(gate.astype(mx.float32)).reshape(B, T, H, D)

@@ -4,7 +4,8 @@ Per head, q/k have ``qk_nope + qk_rope`` dims (the "rope" part is never rotated:
 softmax scale is ``(qk_nope + qk_rope) ** -0.5``. Only the normalised latent ``c_kv`` and the shared ``k_pe`` are
 cached. ``kv_b_proj`` is stored split (as mlx-lm does) into ``embed_q.weight: [H, r, qk_nope]`` (= W_kb^T) and
 ``unembed_out.weight: [H, v_head_dim, r]`` (= W_vb), so decode runs absorbed in latent space and prefill expands
-k/v per head.
+k/v per head. Kimi-K3 adds q-LoRA (``q_a_proj`` -> ``q_a_layernorm`` (eps 1e-6) -> ``q_b_proj``) and a sigmoid output
+gate ``g_proj`` applied to the block input x, multiplied into the concatenated heads before ``o_proj``.
 """
 
 from __future__ import annotations
@@ -16,30 +17,43 @@ import mlx.nn as nn
 from mlx_lm.models.mla import MultiLinear
 
 from ..cache import MLALatentCache
-from ..config import KimiLinearConfig
+from ..config import KimiConfig
 
 
 class KimiMLA(nn.Module):
-    def __init__(self, cfg: KimiLinearConfig):
+    def __init__(self, cfg: KimiConfig):
         super().__init__()
         self.num_heads = H = cfg.num_attention_heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.rank = cfg.kv_lora_rank
         self.scale = (self.nope + self.rope) ** -0.5
         hidden = cfg.hidden_size
-        self.q_proj = nn.Linear(hidden, H * (self.nope + self.rope), bias=False)
+        q_dim = H * (self.nope + self.rope)
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = nn.RMSNorm(cfg.q_lora_rank, eps=1e-6)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(hidden, q_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope, bias=False)
         self.kv_a_layernorm = nn.RMSNorm(self.rank, eps=cfg.mla_kv_norm_eps)
         self.embed_q = MultiLinear(self.nope, self.rank, H)
         self.unembed_out = MultiLinear(self.rank, self.v_dim, H)
         self.o_proj = nn.Linear(H * self.v_dim, hidden, bias=False)
+        if cfg.mla_use_output_gate:
+            self.g_proj = nn.Linear(hidden, H * self.v_dim, bias=False)
+
+    def _q(self, x: mx.array) -> mx.array:
+        if "q_proj" in self:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def __call__(
         self, x: mx.array, mask: Optional[mx.array] = None, cache: Optional[MLALatentCache] = None
     ) -> mx.array:
         """x: [B, T, hidden]; mask: [B or 1, 1, T, S] bool (True = may attend) or None (no masking needed)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, self.num_heads, self.nope + self.rope).transpose(0, 2, 1, 3)
+        q = self._q(x).reshape(B, T, self.num_heads, self.nope + self.rope).transpose(0, 2, 1, 3)
         q_nope, q_pe = mx.split(q, [self.nope], axis=-1)
         kv_latent, k_pe = mx.split(self.kv_a_proj_with_mqa(x), [self.rank], axis=-1)
         kv_latent = self.kv_a_layernorm(kv_latent)[:, None]
@@ -60,4 +74,7 @@ class KimiMLA(nn.Module):
             k = self.embed_q(kv_latent, transpose=False)
             v = self.unembed_out(kv_latent)
             out = mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=self.scale, mask=pe_scores)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+        out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
+        if "g_proj" in self:
+            out = out * mx.sigmoid(self.g_proj(x))
+        return self.o_proj(out)

@@ -15,25 +15,57 @@ and for expert layers it does not know (LoRA/DoRA wrappers, nvfp4 with a global 
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Optional
+
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.activations import swiglu
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU, SwitchLinear
 
-from ..config import KimiLinearConfig
+from ..config import KimiConfig
+
+
+@partial(mx.compile, shapeless=True)
+def situ(up: mx.array, gate: mx.array, beta: float, linear_beta: Optional[float]) -> mx.array:
+    """SiTU: [beta*tanh(gate/beta)*sigmoid(gate)] * [linear_beta*tanh(up/linear_beta)], in float32 (spec §2.5).
+
+    ``linear_beta`` None leaves ``up`` unclipped. Output in ``up``'s dtype.
+    """
+    g = gate.astype(mx.float32)
+    u = up.astype(mx.float32)
+    if linear_beta is not None:
+        u = linear_beta * mx.tanh(u / linear_beta)
+    return (beta * mx.tanh(g / beta) * mx.sigmoid(g) * u).astype(up.dtype)
+
+
+class SiTU(nn.Module):
+    """Kimi-K3's gated activation, called like mlx-lm's ``SwiGLU``: ``act(up, gate)``."""
+
+    def __init__(self, beta: float, linear_beta: Optional[float]):
+        super().__init__()
+        self.beta, self.linear_beta = beta, linear_beta
+
+    def __call__(self, up: mx.array, gate: mx.array) -> mx.array:
+        return situ(up, gate, self.beta, self.linear_beta)
+
+
+def make_activation(cfg: KimiConfig) -> nn.Module:
+    """SwiGLU for ``hidden_act: silu``, SiTU for ``situ``; both called as ``act(up, gate)``."""
+    return SiTU(cfg.situ_beta, cfg.situ_linear_beta) if cfg.hidden_act == "situ" else SwiGLU()
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(up(x), gate(x))) with SwiGLU or SiTU."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, activation: nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.activation = activation
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.activation(self.up_proj(x), self.gate_proj(x)))
 
 
 def route(
@@ -147,16 +179,26 @@ def switch_glu(switch: SwitchGLU, x: mx.array, inds: mx.array, min_pairs: int = 
 
 
 class SparseMoE(nn.Module):
-    """Routed SwiGLU experts + unweighted shared experts."""
+    """Routed experts + unweighted shared experts; with ``routed_expert_hidden_size`` (K3's latent MoE) the routed
+    experts run at the latent width between ``routed_expert_down_proj`` and ``routed_expert_up_proj``, with an
+    optional RMSNorm on the weighted sum. The router and the shared experts always see the full-width x."""
 
-    def __init__(self, cfg: KimiLinearConfig):
+    def __init__(self, cfg: KimiConfig):
         super().__init__()
         self.cfg = cfg
+        width = cfg.routed_expert_hidden_size or cfg.hidden_size
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.e_score_correction_bias = mx.zeros((cfg.num_experts,))
-        self.switch_mlp = SwitchGLU(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts)
+        self.switch_mlp = SwitchGLU(width, cfg.moe_intermediate_size, cfg.num_experts, activation=make_activation(cfg))
+        if cfg.routed_expert_hidden_size:
+            self.routed_expert_down_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+            self.routed_expert_up_proj = nn.Linear(width, cfg.hidden_size, bias=False)
+            if cfg.latent_moe_use_norm:
+                self.routed_expert_norm = nn.RMSNorm(width, eps=cfg.rms_norm_eps)
         if cfg.num_shared_experts:
-            self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
+            self.shared_experts = MLP(
+                cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts, make_activation(cfg)
+            )
 
     def __call__(self, x: mx.array) -> mx.array:
         c = self.cfg
@@ -165,8 +207,13 @@ class SparseMoE(nn.Module):
             c.num_expert_group if c.use_grouped_topk else 1, c.topk_group, c.moe_renormalize,
             c.routed_scaling_factor,
         )
-        y = switch_glu(self.switch_mlp, x, inds)  # [..., k, hidden]
+        z = self.routed_expert_down_proj(x) if "routed_expert_down_proj" in self else x
+        y = switch_glu(self.switch_mlp, z, inds)  # [..., k, width]
         y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+        if "routed_expert_norm" in self:
+            y = self.routed_expert_norm(y)
+        if "routed_expert_up_proj" in self:
+            y = self.routed_expert_up_proj(y)
         if "shared_experts" in self:
             y = y + self.shared_experts(x)
         return y

@@ -12,21 +12,24 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import make_cache
-from ..config import KimiLinearConfig
+from ..config import KimiConfig
 from ..convert.hf import kimi_linear_to_mlx
 from ..layers.kda import KimiDeltaAttention
 from ..layers.mla import KimiMLA
-from ..layers.moe import MLP, SparseMoE
+from ..layers.moe import MLP, SparseMoE, make_activation
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: h = x + mixer(norm(x)); out = h + ffn(norm(h))."""
 
-    def __init__(self, cfg: KimiLinearConfig, index: int, fused_qkv: bool = False):
+    def __init__(self, cfg: KimiConfig, index: int, fused_qkv: bool = False):
         super().__init__()
         self.is_linear = cfg.is_kda_layer(index)
         self.self_attn = KimiDeltaAttention(cfg, fused_qkv) if self.is_linear else KimiMLA(cfg)
-        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        if cfg.is_moe_layer(index):
+            self.mlp = SparseMoE(cfg)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, make_activation(cfg))
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
@@ -54,8 +57,15 @@ def attention_mask(
     return (mask[None] & (real_key | itself))[:, None]
 
 
+def layer_masks(T: int, cache) -> tuple[Optional[mx.array], Optional[mx.array]]:
+    """(KDA mask [B, T] or None, MLA mask [B or 1, 1, T, S] or None) for T new tokens after ``cache``."""
+    if cache is None:
+        return None, attention_mask(T, 0, None)
+    return cache[0].valid_mask(T), attention_mask(T, cache[0].offset, cache[0].left_padding)
+
+
 class KimiLinearModel(nn.Module):
-    def __init__(self, cfg: KimiLinearConfig, fused_qkv: bool = False):
+    def __init__(self, cfg: KimiConfig, fused_qkv: bool = False):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = [DecoderLayer(cfg, i, fused_qkv) for i in range(cfg.num_hidden_layers)]
@@ -63,27 +73,22 @@ class KimiLinearModel(nn.Module):
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None) -> mx.array:
         h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
-        T = h.shape[1]
-        if cache is None:
-            cache = [None] * len(self.layers)
-            offset, kda_mask, left_padding = 0, None, None
-        else:
-            offset, left_padding = cache[0].offset, cache[0].left_padding
-            kda_mask = cache[0].valid_mask(T)
-        attn_mask = attention_mask(T, offset, left_padding)
-        for layer, layer_cache in zip(self.layers, cache):
+        kda_mask, attn_mask = layer_masks(h.shape[1], cache)
+        for layer, layer_cache in zip(self.layers, cache or [None] * len(self.layers)):
             h = layer(h, kda_mask if layer.is_linear else attn_mask, layer_cache)
         return self.norm(h)
 
 
 class Model(nn.Module):
-    """Causal LM head on top of ``KimiLinearModel``."""
+    """Causal LM head on top of ``text_model`` (``KimiLinearModel``; Kimi-K3 swaps in its own)."""
 
-    def __init__(self, cfg: KimiLinearConfig, fused_qkv: bool = False):
+    text_model = KimiLinearModel
+
+    def __init__(self, cfg: KimiConfig, fused_qkv: bool = False):
         super().__init__()
         self.args = cfg
         self.model_type = cfg.model_type
-        self.model = KimiLinearModel(cfg, fused_qkv)
+        self.model = self.text_model(cfg, fused_qkv)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -116,9 +121,9 @@ class Model(nn.Module):
 
     @property
     def quant_predicate(self):
-        """Routers and norms stay unquantized (only Linear/Embedding/Switch layers are considered at all)."""
+        """Routers, AttnRes score projections and norms stay unquantized (only Linear/Embedding/Switch layers count)."""
 
         def predicate(path: str, module: nn.Module) -> bool:
-            return not path.endswith("mlp.gate") and hasattr(module, "to_quantized")
+            return not path.endswith(("mlp.gate", "_res.proj")) and hasattr(module, "to_quantized")
 
         return predicate
