@@ -77,7 +77,12 @@ SEED = 20251
 
 # ----------------------------------------------------------------------------------------------- checkpoint
 def make_checkpoint(cfg: dict, seed: int = SEED) -> dict[str, np.ndarray]:
-    """Random weights in Moonshot's original layout (float32 numpy; matrices are stored as bf16 later)."""
+    """Random weights in Moonshot's original layout (float32 numpy; matrices are stored as bf16 later).
+
+    ``cfg`` is a Kimi Linear config or a Kimi-K3 ``text_config``: the K3 fields (``q_lora_rank``,
+    ``mla_use_output_gate``, ``use_full_rank_gate``, ``routed_expert_hidden_size``, ``latent_moe_use_norm``,
+    ``attn_res_block_size``) add their tensors; without them the random draws are exactly the Kimi Linear ones.
+    Keys have no ``language_model.`` prefix and ``A_log`` is ``[1, 1, H, 1]`` (the K3 bench re-lays them out)."""
     rng = np.random.default_rng(seed)
     H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     lac = cfg["linear_attn_config"]
@@ -86,6 +91,8 @@ def make_checkpoint(cfg: dict, seed: int = SEED) -> dict[str, np.ndarray]:
     E, MI = cfg["num_experts"], cfg["moe_intermediate_size"]
     mh, r = cfg["num_attention_heads"], cfg["kv_lora_rank"]
     nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    W = cfg.get("routed_expert_hidden_size") or H  # routed experts' width (K3 latent MoE)
+    attn_res = cfg.get("attn_res_block_size") is not None
     w: dict[str, np.ndarray] = {}
 
     def lin(name, out_f, in_f, gain=1.0):
@@ -97,10 +104,17 @@ def make_checkpoint(cfg: dict, seed: int = SEED) -> dict[str, np.ndarray]:
     w["model.embed_tokens.weight"] = rng.standard_normal((V, H), dtype=np.float32)
     lin("lm_head.weight", V, H)
     norm("model.norm.weight", H)
+    if attn_res:
+        norm("model.output_attn_res_norm.weight", H)
+        lin("model.output_attn_res_proj.weight", 1, H)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
         norm(f"{p}.input_layernorm.weight", H)
         norm(f"{p}.post_attention_layernorm.weight", H)
+        if attn_res:
+            for res in ("self_attention_res", "mlp_res"):
+                norm(f"{p}.{res}_norm.weight", H)
+                lin(f"{p}.{res}_proj.weight", 1, H)
         a = f"{p}.self_attn"
         if i + 1 in lac["kda_layers"]:
             for n in "qkv":
@@ -109,26 +123,41 @@ def make_checkpoint(cfg: dict, seed: int = SEED) -> dict[str, np.ndarray]:
             lin(f"{a}.f_a_proj.weight", hd, H)
             lin(f"{a}.f_b_proj.weight", P, hd)
             lin(f"{a}.b_proj.weight", nh, H)
-            lin(f"{a}.g_a_proj.weight", hd, H)
-            lin(f"{a}.g_b_proj.weight", P, hd)
+            if lac.get("use_full_rank_gate"):
+                lin(f"{a}.g_proj.weight", P, H)
+            else:
+                lin(f"{a}.g_a_proj.weight", hd, H)
+                lin(f"{a}.g_b_proj.weight", P, hd)
             w[f"{a}.A_log"] = np.log(rng.uniform(1.0, 20.0, (1, 1, nh, 1))).astype(np.float32)
             w[f"{a}.dt_bias"] = (rng.standard_normal(P) * 0.5 - 2.0).astype(np.float32)
             norm(f"{a}.o_norm.weight", hd)
             lin(f"{a}.o_proj.weight", H, P, gain=0.5)
         else:
-            lin(f"{a}.q_proj.weight", mh * (nope + rope), H)
+            if cfg.get("q_lora_rank"):
+                lin(f"{a}.q_a_proj.weight", cfg["q_lora_rank"], H)
+                norm(f"{a}.q_a_layernorm.weight", cfg["q_lora_rank"])
+                lin(f"{a}.q_b_proj.weight", mh * (nope + rope), cfg["q_lora_rank"])
+            else:
+                lin(f"{a}.q_proj.weight", mh * (nope + rope), H)
             lin(f"{a}.kv_a_proj_with_mqa.weight", r + rope, H)
             norm(f"{a}.kv_a_layernorm.weight", r)
             lin(f"{a}.kv_b_proj.weight", mh * (nope + vd), r)
             lin(f"{a}.o_proj.weight", H, mh * vd, gain=0.5)
+            if cfg.get("mla_use_output_gate"):
+                lin(f"{a}.g_proj.weight", mh * vd, H)
         if cfg["num_experts"] and i >= cfg["first_k_dense_replace"] and i % cfg["moe_layer_freq"] == 0:
             m = f"{p}.block_sparse_moe"
             for e in range(E):
-                lin(f"{m}.experts.{e}.w1.weight", MI, H)
-                lin(f"{m}.experts.{e}.w2.weight", H, MI, gain=0.5)
-                lin(f"{m}.experts.{e}.w3.weight", MI, H)
+                lin(f"{m}.experts.{e}.w1.weight", MI, W)
+                lin(f"{m}.experts.{e}.w2.weight", W, MI, gain=0.5)
+                lin(f"{m}.experts.{e}.w3.weight", MI, W)
             lin(f"{m}.gate.weight", E, H)
             w[f"{m}.gate.e_score_correction_bias"] = (rng.standard_normal(E) * 0.05).astype(np.float32)
+            if W != H:
+                lin(f"{m}.routed_expert_down_proj.weight", W, H)
+                lin(f"{m}.routed_expert_up_proj.weight", H, W)
+                if cfg.get("latent_moe_use_norm"):
+                    norm(f"{m}.routed_expert_norm.weight", W)
             SI = MI * cfg["num_shared_experts"]
             lin(f"{m}.shared_experts.gate_proj.weight", SI, H)
             lin(f"{m}.shared_experts.up_proj.weight", SI, H)
@@ -140,23 +169,27 @@ def make_checkpoint(cfg: dict, seed: int = SEED) -> dict[str, np.ndarray]:
     return w
 
 
-def checkpoint_dir(root: Path) -> Path:
-    """Write the checkpoint once (keyed by config + seed) and return its directory."""
+KEEP_F32 = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias")  # stored float32; other tensors bf16
+
+
+def checkpoint_dir(root: Path, config: dict = CONFIG, make=make_checkpoint, name: str = "kimi_linear_bench",
+                   seed: int = SEED, keep_f32: tuple[str, ...] = KEEP_F32) -> Path:
+    """Write ``make(config, seed)`` (float32 numpy arrays; names ending in ``keep_f32`` stay float32, the rest is
+    stored bf16) with ``config.json`` once, keyed by config + seed, and return its directory."""
     import hashlib
 
-    key = hashlib.sha1(json.dumps([CONFIG, SEED], sort_keys=True).encode()).hexdigest()[:10]
-    path = root / f"kimi_linear_bench_{key}"
+    key = hashlib.sha1(json.dumps([config, seed], sort_keys=True).encode()).hexdigest()[:10]
+    path = root / f"{name}_{key}"
     if (path / "model.safetensors").exists():
         return path
     path.mkdir(parents=True, exist_ok=True)
-    keep_f32 = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias")
     arrays = {
         k: mx.array(v) if k.endswith(keep_f32) else mx.array(v).astype(mx.bfloat16)
-        for k, v in make_checkpoint(CONFIG).items()
+        for k, v in make(config, seed).items()
     }
     tmp = path / "model.tmp.safetensors"
     mx.save_safetensors(str(tmp), arrays, metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     tmp.rename(path / "model.safetensors")
     return path
 
@@ -290,40 +323,44 @@ class _Timer:
         return inner
 
 
-def profile(which: str, model, T: int, decode_steps: int, vocab: int) -> list[str]:
-    """Split one prefill of T tokens and decode_steps decode steps into components (each forced to evaluate
-    on its own, so the total is a bit above the unprofiled time)."""
+def profile_targets(which: str) -> list[tuple[object, str, str]]:
+    """Kimi Linear: the (object, attribute, row name) functions ``profile`` times, per implementation."""
+    if which == "kimi-mlx":
+        import kimi_mlx.layers.kda as kda_layer
+        import kimi_mlx.layers.moe as moe_layer
+        from kimi_mlx.layers.mla import KimiMLA
+
+        return [
+            (kda_layer, "kda_forward", "KDA scan (kda_forward)"),
+            (moe_layer, "switch_glu", "routed experts"),
+            (kda_layer.KimiDeltaAttention, "__call__", "KDA layer (all)"),
+            (KimiMLA, "__call__", "MLA layer"),
+            (moe_layer.SparseMoE, "__call__", "MoE block (all)"),
+            (moe_layer.MLP, "__call__", "MLP (dense + shared experts)"),
+        ]
+    import mlx_lm.models.kimi_linear as ml
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    return [
+        (ml, "gated_delta_update", "KDA scan (gated_delta_update)"),
+        (SwitchGLU, "__call__", "routed experts"),
+        (ml.KimiDeltaAttention, "__call__", "KDA layer (all)"),
+        (ml.KimiMLAAttention, "__call__", "MLA layer"),
+        (ml.KimiSparseMoE, "__call__", "MoE block (all)"),
+        (ml.KimiMLP, "__call__", "MLP (dense + shared experts)"),
+    ]
+
+
+def profile(which: str, model, T: int, decode_steps: int, vocab: int, targets) -> list[str]:
+    """Split one prefill of T tokens and decode_steps decode steps into the components ``targets`` names
+    (``(object, attribute, row name)``; each forced to evaluate on its own, so the total is a bit above the
+    unprofiled time)."""
     timer = _Timer()
     patches = []
-
-    def patch(obj, attr, name):
+    for obj, attr, name in targets:
         orig = getattr(obj, attr)
         setattr(obj, attr, timer.wrap(name, orig))
         patches.append((obj, attr, orig))
-
-    if which == "kimi-mlx":
-        import kimi_mlx.layers.kda as kda_layer
-        import kimi_mlx.layers.mla as mla_layer
-        import kimi_mlx.layers.moe as moe_layer
-        from kimi_mlx.layers.kda import KimiDeltaAttention
-        from kimi_mlx.layers.mla import KimiMLA
-        from kimi_mlx.layers.moe import MLP, SparseMoE
-
-        patch(kda_layer, "kda_forward", "KDA scan (kda_forward)")
-        patch(moe_layer, "switch_glu", "routed experts")
-        classes = {"KDA layer (all)": KimiDeltaAttention, "MLA layer": KimiMLA, "MoE block (all)": SparseMoE,
-                   "dense MLP": MLP}
-        del mla_layer
-    else:
-        import mlx_lm.models.kimi_linear as ml
-        from mlx_lm.models.switch_layers import SwitchGLU
-
-        patch(ml, "gated_delta_update", "KDA scan (gated_delta_update)")
-        patch(SwitchGLU, "__call__", "routed experts")
-        classes = {"KDA layer (all)": ml.KimiDeltaAttention, "MLA layer": ml.KimiMLAAttention,
-                   "MoE block (all)": ml.KimiSparseMoE, "dense MLP": ml.KimiMLP}
-    for name, cls in classes.items():
-        patch(cls, "__call__", name)
     lines = []
     try:
         for phase in ("prefill", "decode"):
@@ -356,8 +393,8 @@ def profile(which: str, model, T: int, decode_steps: int, vocab: int) -> list[st
 
 
 # ---------------------------------------------------------------------------------------------------- main
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(doc: str, argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[512, 2048], help="prefill lengths (add 8192 if patient)")
     ap.add_argument("--dtype", choices=["float32", "bf16"], default="float32")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per measurement (median), after 1 warm-up")
@@ -367,7 +404,21 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=["kimi-mlx", "mlx-lm"], help="benchmark one implementation only")
     ap.add_argument("--cache-dir", type=Path,
                     default=Path(os.environ.get("KIMI_BENCH_CACHE", Path.home() / ".cache" / "kimi_mlx_bench")))
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def describe(c: dict) -> str:
+    """One line on the model's shape (Kimi Linear config or K3 text_config)."""
+    lac = c["linear_attn_config"]
+    return (f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers (KDA {len(lac['kda_layers'])} x "
+            f"{lac['num_heads']}h x {lac['head_dim']}, MLA at {lac['full_attn_layers']}), {c['num_experts']} experts "
+            f"top-{c['num_experts_per_token']} x {c['moe_intermediate_size']} + {c['num_shared_experts']} shared, "
+            f"vocab {c['vocab_size']}")
+
+
+def run(args: argparse.Namespace, make_path, text_config: dict, targets, note: str = "") -> int:
+    """The benchmark: BLAS line, checkpoint (``make_path()`` -> its directory), parity, prefill/decode table and,
+    with ``--profile``, the split over ``targets(which)`` (see ``profile``)."""
     dtype = mx.float32 if args.dtype == "float32" else None  # bf16 = as stored (matrices bf16, gates float32)
 
     print(f"BLAS: {blas_in_use()}")
@@ -375,14 +426,9 @@ def main(argv=None) -> int:
           f"prompt processed in chunks of {PREFILL_STEP} (mlx-lm's default prefill step), median of {args.runs} runs "
           f"after 1 warm-up")
     t0 = time.perf_counter()
-    path = checkpoint_dir(args.cache_dir)
-    c = CONFIG
-    print(f"checkpoint: {path} ({time.perf_counter() - t0:.1f}s); hidden {c['hidden_size']}, "
-          f"{c['num_hidden_layers']} layers (KDA {len(c['linear_attn_config']['kda_layers'])} x "
-          f"{c['linear_attn_config']['num_heads']}h x {c['linear_attn_config']['head_dim']}, MLA at "
-          f"{c['linear_attn_config']['full_attn_layers']}), {c['num_experts']} experts top-{c['num_experts_per_token']}"
-          f" x {c['moe_intermediate_size']} + 1 shared, vocab {c['vocab_size']}")
-    vocab = c["vocab_size"]
+    path = make_path()
+    print(f"checkpoint: {path} ({time.perf_counter() - t0:.1f}s); {describe(text_config)}{note}")
+    vocab = text_config["vocab_size"]
 
     models = {}
     if args.only != "mlx-lm":
@@ -427,9 +473,14 @@ def main(argv=None) -> int:
     if args.profile:
         print("\nprofile (each component forced to evaluate separately; 'all' rows include their inner rows):")
         for name, model in models.items():
-            for line in profile(name, model, min(2048, max(args.sizes)), args.decode_steps, vocab):
-                print(line)
+            for line in profile(name, model, min(2048, max(args.sizes)), args.decode_steps, vocab, targets(name)):
+                print(line, flush=True)
     return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(__doc__, argv)
+    return run(args, lambda: checkpoint_dir(args.cache_dir), CONFIG, profile_targets)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ import mlx.core as mx
 import pytest
 
 SHARED = Path(os.environ.get("KIMI_MLX_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-KL_FIXTURE = SHARED / "fixtures" / "llamacpp" / "kimi_linear"
+FIXTURES = SHARED / "fixtures" / "llamacpp"
+KL_FIXTURE = FIXTURES / "kimi_linear"
+K3_FIXTURE = FIXTURES / "kimi_k3"
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +32,31 @@ def kl_model(kl_dir):
 
     model, _ = load_model(kl_dir / "hf", dtype=mx.float32)
     return model
+
+
+@pytest.fixture(scope="session")
+def k3_dir() -> Path:
+    """The tiny Kimi-K3 reference checkpoint (official K3 key layout, with dummy vision tensors)."""
+    assert (K3_FIXTURE / "hf" / "config.json").exists(), f"reference fixtures missing at {K3_FIXTURE}"
+    return K3_FIXTURE
+
+
+@pytest.fixture(scope="session")
+def k3_model(k3_dir):
+    """The K3 reference checkpoint loaded in float32 by kimi-mlx."""
+    from kimi_mlx.loading import load_model
+
+    model, _ = load_model(k3_dir / "hf", dtype=mx.float32)
+    return model
+
+
+@pytest.fixture(scope="session", params=["kimi_linear", "kimi_k3"])
+def arch(request, kl_dir, k3_dir) -> tuple[str, Path, dict, object]:
+    """(name, fixture dir, manifest, float32 model) for each architecture."""
+    name = request.param
+    path = kl_dir if name == "kimi_linear" else k3_dir
+    model = request.getfixturevalue("kl_model" if name == "kimi_linear" else "k3_model")
+    return name, path, json.loads((path / "manifest.json").read_text()), model
 
 
 @pytest.fixture(autouse=True)

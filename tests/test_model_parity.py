@@ -1,8 +1,16 @@
-"""Kimi Linear forward vs independent references, and cache/batch consistency of our own forward."""
+"""Kimi Linear and Kimi-K3 forwards vs independent references, and cache/batch consistency of our own forward."""
+
+import json
 
 import mlx.core as mx
 import numpy as np
 import pytest
+
+
+# Cache-consistency tolerance. Kimi Linear: 1e-5 (the issue's bound). Kimi-K3's tiny model amplifies float32
+# rounding more: its KDA outputs are ~0.02 in scale and o_norm rescales them to ~1, so chunked (prefill) and
+# recurrent (decode) KDA, both within 2e-7 relative of a float64 scan, differ by up to ~4e-5 in its logits.
+CONSISTENCY_TOL = {"kimi_linear": 1e-5, "kimi_k3": 6e-5}
 
 
 def _logits(model, ids, cache=None):
@@ -10,21 +18,32 @@ def _logits(model, ids, cache=None):
 
 
 @pytest.mark.parametrize(
-    "reference, tol",
-    [("hf_transformers.logits.npy", 1e-4), ("mlx_lm.logits.npy", 1e-4), ("kimi-linear-tiny-F32.logits.npy", 3e-4)],
+    "model_fixture, reference, tol",
+    [
+        ("kimi_linear", "hf_transformers.logits.npy", 1e-4),
+        ("kimi_linear", "mlx_lm.logits.npy", 1e-4),
+        ("kimi_linear", "kimi-linear-tiny-F32.logits.npy", 3e-4),
+        ("kimi_k3", "mlx_lm.logits.npy", 1e-4),
+        ("kimi_k3", "kimi-k3-tiny-F32.logits.npy", 3e-4),
+    ],
 )
-def test_float32_logits_match_reference(kl_model, kl_dir, kl_manifest, reference, tol):
+def test_float32_logits_match_reference(request, model_fixture, reference, tol):
     """Full forward on the manifest's 40 ids: max abs logit diff at every position within tol of the reference
     (transformers, mlx-lm; llama.cpp's F32 GGUF run, whose eps conventions differ by ~1e-4)."""
-    ours = _logits(kl_model, [kl_manifest["token_ids"]])[0]
-    ref = np.load(kl_dir / reference)
+    path = request.getfixturevalue("kl_dir" if model_fixture == "kimi_linear" else "k3_dir")
+    model = request.getfixturevalue("kl_model" if model_fixture == "kimi_linear" else "k3_model")
+    ids = json.loads((path / "manifest.json").read_text())["token_ids"]
+    ours = _logits(model, [ids])[0]
+    ref = np.load(path / reference)
     assert ours.shape == ref.shape
     per_position = np.abs(ours - ref).max(axis=-1)
     assert per_position.max() <= tol, f"{reference}: worst position {per_position.argmax()} diff {per_position.max()}"
 
 
-def test_prefill_then_decode_equals_full_forward(kl_model, kl_manifest):
-    """Prefill N tokens, then decode M one at a time with the hybrid cache == one full forward (<= 1e-5)."""
+def test_prefill_then_decode_equals_full_forward(arch):
+    """Prefill N tokens, then decode M one at a time with the hybrid cache == one full forward (CONSISTENCY_TOL)."""
+    name, _, kl_manifest, kl_model = arch
+    tol = CONSISTENCY_TOL[name]
     ids = kl_manifest["token_ids"]
     full = _logits(kl_model, [ids])[0]
     cache = kl_model.make_cache()
@@ -32,22 +51,26 @@ def test_prefill_then_decode_equals_full_forward(kl_model, kl_manifest):
     steps = [_logits(kl_model, [ids[:n]], cache)[0]]
     for t in ids[n:]:
         steps.append(_logits(kl_model, [[t]], cache)[0])
-    np.testing.assert_allclose(np.concatenate(steps), full, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.concatenate(steps), full, atol=tol, rtol=0)
     assert all(c.offset == len(ids) for c in cache)
 
 
-def test_prefill_in_two_chunks_equals_one(kl_model, kl_manifest):
+def test_prefill_in_two_chunks_equals_one(arch):
     """Prefill split in two calls (17 + 23 tokens, chunked KDA path) == a single prefill call."""
+    name, _, kl_manifest, kl_model = arch
+    tol = CONSISTENCY_TOL[name]
     ids = kl_manifest["token_ids"]
     one = _logits(kl_model, [ids], kl_model.make_cache())[0]
     cache = kl_model.make_cache()
     two = np.concatenate([_logits(kl_model, [ids[:17]], cache)[0], _logits(kl_model, [ids[17:]], cache)[0]])
-    np.testing.assert_allclose(two, one, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(two, one, atol=tol, rtol=0)
 
 
-def test_ragged_batch_equals_singles(kl_model, kl_manifest):
+def test_ragged_batch_equals_singles(arch):
     """A left-padded batch of 3 prompts of different length gives, per row, the same last-position logits and
     the same greedy continuation (8 tokens) as running each prompt alone."""
+    name, _, kl_manifest, kl_model = arch
+    tol = CONSISTENCY_TOL[name]
     from kimi_mlx.generate import batch_generate
 
     ids = kl_manifest["token_ids"]
@@ -58,12 +81,13 @@ def test_ragged_batch_equals_singles(kl_model, kl_manifest):
         assert batch_tokens[row] == single_tokens[0], f"row {row}"
         for step, (b, s) in enumerate(zip(batch_steps, single_steps)):
             np.testing.assert_allclose(
-                np.array(b[row]), np.array(s[0]), atol=1e-5, rtol=0, err_msg=f"row {row} step {step}"
+                np.array(b[row]), np.array(s[0]), atol=tol, rtol=0, err_msg=f"row {row} step {step}"
             )
 
 
-def test_runs_under_mlx_lm_generate(kl_model, kl_manifest):
+def test_runs_under_mlx_lm_generate(arch):
     """Our model handed to mlx-lm's own generate_step gives the same greedy tokens as our generator."""
+    _, _, kl_manifest, kl_model = arch
     from mlx_lm.generate import generate_step
 
     from kimi_mlx.generate import batch_generate

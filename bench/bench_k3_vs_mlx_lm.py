@@ -1,0 +1,147 @@
+"""kimi-mlx vs mlx-lm on the same random Kimi-K3 checkpoint: prefill / decode tok/s and peak memory.
+
+A small Kimi-K3 at the scale of the Kimi Linear bench model (hidden 768, 12 layers KDA:MLA 3:1 with MLA last, KDA
+6 heads x 128 with the full-rank output gate and the lower-bound decay gate, MLA with q-LoRA and the sigmoid output
+gate, 16 experts top-4 in a 384-wide latent MoE with its RMSNorm + 1 shared expert, first layer dense, SiTU
+activations, AttnRes over blocks of 4 layers, vocab 8192), written ONCE in the official K3 layout
+(``KimiK3ForConditionalGeneration``: ``language_model.model.layers.{i}...``, padded 1-D ``A_log``, bf16 matrices,
+float32 A_log / dt_bias / convs / router bias / o_norm) into a cache dir and loaded by both implementations.
+Same measurements, table and options as ``bench_vs_mlx_lm.py`` (whose timing, parity and BLAS code it uses); see
+bench/README.md.
+
+    python bench/bench_k3_vs_mlx_lm.py                      # float32, prefill 512/2048, decode after 512
+    python bench/bench_k3_vs_mlx_lm.py --sizes 512 2048 8192 --profile
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vs_mlx_lm import KEEP_F32, SEED, checkpoint_dir, make_checkpoint, parse_args, run  # noqa: E402
+
+TEXT_CONFIG = {
+    "architectures": ["KimiLinearForCausalLM"],
+    "model_type": "kimi_linear",
+    "vocab_size": 8192,
+    "hidden_size": 768,
+    "intermediate_size": 1536,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 6,
+    "q_lora_rank": 384,
+    "kv_lora_rank": 256,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+    "mla_use_nope": True,
+    "mla_use_output_gate": True,
+    "num_experts": 16,
+    "num_experts_per_token": 4,
+    "num_shared_experts": 1,
+    "routed_expert_hidden_size": 384,
+    "latent_moe_use_norm": True,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid",
+    "routed_scaling_factor": 1.0,
+    "num_expert_group": 1,
+    "topk_group": 1,
+    "use_grouped_topk": True,
+    "topk_method": "noaux_tc",
+    "hidden_act": "situ",
+    "activation_situ_beta": 4.0,
+    "activation_situ_linear_beta": 25.0,
+    "attn_res_block_size": 4,
+    "rms_norm_eps": 1e-05,
+    "max_position_embeddings": 1048576,
+    "model_max_length": 1048576,
+    "linear_attn_config": {
+        "full_attn_layers": [4, 8, 12],
+        "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11],
+        "head_dim": 128,
+        "num_heads": 6,
+        "short_conv_kernel_size": 4,
+        "gate_lower_bound": -5.0,
+        "use_full_rank_gate": True,
+    },
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "torch_dtype": "bfloat16",
+}
+CONFIG = {
+    "architectures": ["KimiK3ForConditionalGeneration"],
+    "model_type": "kimi_k3",
+    "text_config": TEXT_CONFIG,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "torch_dtype": "bfloat16",
+}
+A_LOG_PAD = 8  # the official checkpoint stores A_log 1-D, padded (8 entries for 2 heads); the first H are used
+
+
+def make_k3_checkpoint(config: dict, seed: int) -> dict[str, np.ndarray]:
+    """The shared generator's tensors for the text config, re-laid out as the official K3 checkpoint."""
+    out = {}
+    for k, v in make_checkpoint(config["text_config"], seed).items():
+        if k.endswith(".A_log"):
+            v = v.reshape(-1)
+            v = np.concatenate([v, np.zeros(-len(v) % A_LOG_PAD, np.float32)])
+        out[f"language_model.{k}"] = v
+    return out
+
+
+def profile_targets(which: str) -> list[tuple[object, str, str]]:
+    """K3: the (object, attribute, row name) functions ``profile`` times, per implementation."""
+    if which == "kimi-mlx":
+        import kimi_mlx.layers.kda as kda_layer
+        import kimi_mlx.layers.moe as moe_layer
+        from kimi_mlx.layers.mla import KimiMLA
+        from kimi_mlx.models.kimi_k3 import ResidualMix
+
+        return [
+            (kda_layer, "kda_forward", "KDA scan (kda_forward)"),
+            (moe_layer, "switch_glu", "routed experts"),
+            (kda_layer.KimiDeltaAttention, "__call__", "KDA layer (all)"),
+            (KimiMLA, "__call__", "MLA layer"),
+            (moe_layer.SparseMoE, "__call__", "MoE block (all)"),
+            (moe_layer.MLP, "__call__", "MLP (dense + shared experts)"),
+            (ResidualMix, "__call__", "AttnRes mix"),
+        ]
+    import mlx_lm.models.kimi_k3 as ml
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    return [
+        (ml, "gated_delta_update", "KDA scan (gated_delta_update)"),
+        (SwitchGLU, "__call__", "routed experts"),
+        (ml.KimiK3DeltaAttention, "__call__", "KDA layer (all)"),
+        (ml.KimiK3MLAAttention, "__call__", "MLA layer"),
+        (ml.KimiK3SparseMoE, "__call__", "MoE block (all)"),
+        (ml.KimiK3MLP, "__call__", "MLP (dense + shared experts)"),
+        (ml, "_attn_res_mix", "AttnRes mix"),
+    ]
+
+
+def main(argv=None) -> int:
+    args = parse_args(__doc__, argv)
+    t = TEXT_CONFIG
+    note = (f"; K3: q_lora {t['q_lora_rank']}, latent MoE {t['routed_expert_hidden_size']} (+norm), SiTU "
+            f"{t['activation_situ_beta']}/{t['activation_situ_linear_beta']}, AttnRes block {t['attn_res_block_size']}"
+            f", KDA gate lower bound {t['linear_attn_config']['gate_lower_bound']}, full-rank KDA gate, MLA output gate")
+    make_path = lambda: checkpoint_dir(  # noqa: E731
+        args.cache_dir, CONFIG, make_k3_checkpoint, "kimi_k3_bench", SEED, KEEP_F32 + ("o_norm.weight",)
+    )
+    return run(args, make_path, TEXT_CONFIG, profile_targets, note)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
