@@ -16,12 +16,15 @@ bench/README.md.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_mlx_lm import KEEP_F32, SEED, checkpoint_dir, make_checkpoint, parse_args, run  # noqa: E402
+from bench_vs_mlx_lm import (  # noqa: E402
+    KEEP_F32, SEED, checkpoint_dir, make_checkpoint, parse_args, profile_targets, run,
+)
 
 TEXT_CONFIG = {
     "architectures": ["KimiLinearForCausalLM"],
@@ -100,37 +103,6 @@ def make_k3_checkpoint(config: dict, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def profile_targets(which: str) -> list[tuple[object, str, str]]:
-    """K3: the (object, attribute, row name) functions ``profile`` times, per implementation."""
-    if which == "kimi-mlx":
-        import kimi_mlx.layers.kda as kda_layer
-        import kimi_mlx.layers.moe as moe_layer
-        from kimi_mlx.layers.mla import KimiMLA
-        from kimi_mlx.models.kimi_k3 import ResidualMix
-
-        return [
-            (kda_layer, "kda_forward", "KDA scan (kda_forward)"),
-            (moe_layer, "switch_glu", "routed experts"),
-            (kda_layer.KimiDeltaAttention, "__call__", "KDA layer (all)"),
-            (KimiMLA, "__call__", "MLA layer"),
-            (moe_layer.SparseMoE, "__call__", "MoE block (all)"),
-            (moe_layer.MLP, "__call__", "MLP (dense + shared experts)"),
-            (ResidualMix, "__call__", "AttnRes mix"),
-        ]
-    import mlx_lm.models.kimi_k3 as ml
-    from mlx_lm.models.switch_layers import SwitchGLU
-
-    return [
-        (ml, "gated_delta_update", "KDA scan (gated_delta_update)"),
-        (SwitchGLU, "__call__", "routed experts"),
-        (ml.KimiK3DeltaAttention, "__call__", "KDA layer (all)"),
-        (ml.KimiK3MLAAttention, "__call__", "MLA layer"),
-        (ml.KimiK3SparseMoE, "__call__", "MoE block (all)"),
-        (ml.KimiK3MLP, "__call__", "MLP (dense + shared experts)"),
-        (ml, "_attn_res_mix", "AttnRes mix"),
-    ]
-
-
 def main(argv=None) -> int:
     args = parse_args(__doc__, argv)
     t = TEXT_CONFIG
@@ -140,7 +112,7 @@ def main(argv=None) -> int:
     make_path = lambda: checkpoint_dir(  # noqa: E731
         args.cache_dir, CONFIG, make_k3_checkpoint, "kimi_k3_bench", SEED, KEEP_F32 + ("o_norm.weight",)
     )
-    return run(args, make_path, TEXT_CONFIG, profile_targets, note)
+    return run(args, make_path, TEXT_CONFIG, partial(profile_targets, k3=True), note)
 
 
 if __name__ == "__main__":

@@ -249,6 +249,15 @@ def prefill(model, tokens: mx.array, cache) -> mx.array:
     return logits
 
 
+def greedy_decode(model, tok: mx.array, cache, steps: int) -> mx.array:
+    """``steps`` greedy one-token steps from ``tok`` [B], evaluated each step (as a streaming generator does)."""
+    for _ in range(steps):
+        logits = model(tok[:, None], cache=cache)
+        tok = mx.argmax(logits[:, -1], axis=-1)
+        mx.eval(tok)
+    return tok
+
+
 def time_prefill(model, T: int, runs: int, vocab: int):
     tokens = mx.random.randint(0, vocab, (1, T), key=mx.random.key(T))
     times, peak = [], 0
@@ -277,10 +286,7 @@ def time_decode(model, prompt_len: int, steps: int, runs: int, vocab: int):
         mx.clear_cache()
         mx.reset_peak_memory()
         t0 = time.perf_counter()
-        for _ in range(steps):
-            logits = model(tok[:, None], cache=cache)
-            tok = mx.argmax(logits[:, -1], axis=-1)
-            mx.eval(tok)
+        greedy_decode(model, tok, cache, steps)
         dt = time.perf_counter() - t0
         peak = max(peak, mx.get_peak_memory())
         if i:
@@ -323,32 +329,32 @@ class _Timer:
         return inner
 
 
-def profile_targets(which: str) -> list[tuple[object, str, str]]:
-    """Kimi Linear: the (object, attribute, row name) functions ``profile`` times, per implementation."""
+def profile_targets(which: str, k3: bool = False) -> list[tuple[object, str, str]]:
+    """The (object, attribute, row name) functions ``profile`` times, per implementation; ``k3`` for Kimi-K3 (mlx-lm's
+    ``kimi_k3`` classes, plus the AttnRes mix)."""
     if which == "kimi-mlx":
         import kimi_mlx.layers.kda as kda_layer
         import kimi_mlx.layers.moe as moe_layer
         from kimi_mlx.layers.mla import KimiMLA
+        from kimi_mlx.models.kimi_k3 import ResidualMix
 
-        return [
-            (kda_layer, "kda_forward", "KDA scan (kda_forward)"),
-            (moe_layer, "switch_glu", "routed experts"),
-            (kda_layer.KimiDeltaAttention, "__call__", "KDA layer (all)"),
-            (KimiMLA, "__call__", "MLA layer"),
-            (moe_layer.SparseMoE, "__call__", "MoE block (all)"),
-            (moe_layer.MLP, "__call__", "MLP (dense + shared experts)"),
-        ]
-    import mlx_lm.models.kimi_linear as ml
-    from mlx_lm.models.switch_layers import SwitchGLU
+        scan, experts, ml = (kda_layer, "kda_forward"), (moe_layer, "switch_glu"), None
+        classes = (kda_layer.KimiDeltaAttention, KimiMLA, moe_layer.SparseMoE, moe_layer.MLP)
+        res_mix = (ResidualMix, "__call__")
+    else:
+        import importlib
 
-    return [
-        (ml, "gated_delta_update", "KDA scan (gated_delta_update)"),
-        (SwitchGLU, "__call__", "routed experts"),
-        (ml.KimiDeltaAttention, "__call__", "KDA layer (all)"),
-        (ml.KimiMLAAttention, "__call__", "MLA layer"),
-        (ml.KimiSparseMoE, "__call__", "MoE block (all)"),
-        (ml.KimiMLP, "__call__", "MLP (dense + shared experts)"),
-    ]
+        from mlx_lm.models.switch_layers import SwitchGLU
+
+        ml = importlib.import_module("mlx_lm.models.kimi_k3" if k3 else "mlx_lm.models.kimi_linear")
+        prefix = "KimiK3" if k3 else "Kimi"
+        scan, experts = (ml, "gated_delta_update"), (SwitchGLU, "__call__")
+        classes = tuple(getattr(ml, prefix + n) for n in ("DeltaAttention", "MLAAttention", "SparseMoE", "MLP"))
+        res_mix = (ml, "_attn_res_mix")
+    rows = [(*scan, f"KDA scan ({scan[1]})"), (*experts, "routed experts")]
+    names = ("KDA layer (all)", "MLA layer", "MoE block (all)", "MLP (dense + shared experts)")
+    rows += [(cls, "__call__", name) for cls, name in zip(classes, names)]
+    return rows + [(*res_mix, "AttnRes mix")] if k3 else rows
 
 
 def profile(which: str, model, T: int, decode_steps: int, vocab: int, targets) -> list[str]:
@@ -377,10 +383,7 @@ def profile(which: str, model, T: int, decode_steps: int, vocab: int, targets) -
                 prefill(model, tokens, cache)
                 timer.acc.clear()
                 t0 = time.perf_counter()
-                for _ in range(decode_steps):
-                    logits = model(tok[:, None], cache=cache)
-                    tok = mx.argmax(logits[:, -1], axis=-1)
-                    mx.eval(tok)
+                greedy_decode(model, tok, cache, decode_steps)
             total = time.perf_counter() - t0
             parts = ", ".join(f"{k} {v:.2f}s ({100 * v / total:.0f}%)" for k, v in sorted(timer.acc.items(),
                                                                                         key=lambda kv: -kv[1]))

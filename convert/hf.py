@@ -72,7 +72,12 @@ def _stack_experts(weights: dict, num_experts: int) -> dict:
 
 
 def _fuse_conv(weights: dict, prefix: str) -> None:
-    """{q,k,v}_conv1d.weight [C,1,K] or {q,k,v}_conv.conv.weight [C,K,1] -> qkv_conv.weight [3C, K]."""
+    """{q,k,v}_conv1d.weight [C,1,K], {q,k,v}_conv.conv.weight [C,K,1] or mlx-lm's fused
+    qkv_conv.conv.weight [3C,K,1] -> qkv_conv.weight [3C, K]."""
+    fused = weights.pop(f"{prefix}.qkv_conv.conv.weight", None)
+    if fused is not None:
+        weights[f"{prefix}.qkv_conv.weight"] = fused.reshape(fused.shape[0], fused.shape[1])
+        return
     parts = []
     for name in "qkv":
         for key, to_ck in (

@@ -116,13 +116,9 @@ def _mxfp4_from_mlx(rng, out_dim, in_dim):
     return np.array(q.view(mx.uint8)), np.array(s)
 
 
-@pytest.mark.parametrize("make", [_mxfp4_hand_packed, _mxfp4_from_mlx])
-def test_mxfp4_experts_load_byte_for_byte(k3_copy, make):
-    """compressed-tensors MXFP4 routed experts (hand-packed nibbles, or produced by mx.quantize) load into MLX's
-    mxfp4 layout unchanged, so mx.dequantize of our stacked weights == the independent decoder, and the model's
-    logits equal those of the same checkpoint with the experts stored as the decoded floats."""
-    rng = np.random.default_rng(4)
-    cfg = json.loads((k3_copy / "config.json").read_text())["text_config"]
+def _experts_to_mxfp4(path, make, rng) -> dict:
+    """Rewrite every routed expert of the checkpoint at ``path`` as compressed-tensors MXFP4 (``make`` builds the
+    packed bytes and scales) and declare it in config.json; returns {original key: independently decoded floats}."""
     decoded = {}
 
     def to_mxfp4(w):
@@ -134,8 +130,18 @@ def test_mxfp4_experts_load_byte_for_byte(k3_copy, make):
             w[key.replace(".weight", ".weight_packed")] = mx.array(packed)
             w[key.replace(".weight", ".weight_scale")] = mx.array(scale)
 
-    _edit(k3_copy, weights=to_mxfp4, config=lambda c: c.__setitem__(
+    _edit(path, weights=to_mxfp4, config=lambda c: c.__setitem__(
         "quantization_config", {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}))
+    return decoded
+
+
+@pytest.mark.parametrize("make", [_mxfp4_hand_packed, _mxfp4_from_mlx])
+def test_mxfp4_experts_load_byte_for_byte(k3_copy, make):
+    """compressed-tensors MXFP4 routed experts (hand-packed nibbles, or produced by mx.quantize) load into MLX's
+    mxfp4 layout unchanged, so mx.dequantize of our stacked weights == the independent decoder, and the model's
+    logits equal those of the same checkpoint with the experts stored as the decoded floats."""
+    cfg = json.loads((k3_copy / "config.json").read_text())["text_config"]
+    decoded = _experts_to_mxfp4(k3_copy, make, np.random.default_rng(4))
     model, _ = load_model(k3_copy, dtype=mx.float32)
     layer = 1
     switch = model.language_model.model.layers[layer].mlp.switch_mlp
@@ -232,3 +238,36 @@ def test_unsupported_quantization_config(k3_copy):
         "quantization_config", {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}))
     with pytest.raises(CheckpointError, match="nvfp4-pack-quantized"):
         load_model(k3_copy)
+
+
+def test_mlx_lm_quantized_k3_directory(k3_dir, tmp_path):
+    """A K3 directory converted and 4-bit quantized by mlx-lm (fused qkv_proj/qkv_conv, split kv_b_proj, its
+    AttnRes names) loads and matches mlx-lm's own forward of that directory in float32 (<= 1e-4)."""
+    from mlx.utils import tree_map
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    ref, config = mlx_lm_load_model(k3_dir / "hf")
+    ref, config = quantize_model(ref, config, 32, 4, quant_predicate=ref.quant_predicate)
+    save_model(tmp_path, ref)
+    save_config(config, tmp_path / "config.json")
+    ref, _ = mlx_lm_load_model(tmp_path)
+    ref.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a, ref.parameters()))
+    ours, _ = load_model(tmp_path, dtype=mx.float32)
+    assert "qkv_proj" in ours.layers[0].self_attn
+    ids = mx.array([list(range(40))])
+    diff = mx.abs(ours(ids) - ref(ids)).max().item()
+    assert diff <= 1e-4, diff
+
+
+def test_on_load_quantization_of_non_expert_weights(k3_copy):
+    """quantize=8 on a K3 checkpoint with MXFP4 experts: the bf16 non-expert projections become 8-bit affine,
+    the MXFP4 experts stay as stored, routers and AttnRes projections stay float."""
+    _experts_to_mxfp4(k3_copy, _mxfp4_from_mlx, np.random.default_rng(5))
+    model, _ = load_model(k3_copy, quantize={"bits": 8, "group_size": 32})
+    layer = model.layers[1]
+    assert isinstance(layer.self_attn.q_proj, nn.QuantizedLinear) and layer.self_attn.q_proj.bits == 8
+    assert isinstance(layer.mlp.routed_expert_down_proj, nn.QuantizedLinear)
+    assert layer.mlp.switch_mlp.gate_proj.mode == "mxfp4"
+    assert type(layer.mlp.gate) is nn.Linear and type(layer.mlp_res.proj) is nn.Linear
+    assert mx.isfinite(model(mx.array([[1, 2, 3]]))).all().item()
