@@ -22,62 +22,29 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vs_mlx_lm import CONFIG as KIMI_LINEAR_CONFIG  # noqa: E402
 from bench_vs_mlx_lm import (  # noqa: E402
     KEEP_F32, SEED, checkpoint_dir, make_checkpoint, parse_args, profile_targets, run,
 )
 
 TEXT_CONFIG = {
-    "architectures": ["KimiLinearForCausalLM"],
-    "model_type": "kimi_linear",
-    "vocab_size": 8192,
-    "hidden_size": 768,
-    "intermediate_size": 1536,
-    "moe_intermediate_size": 256,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 6,
-    "num_key_value_heads": 6,
+    **KIMI_LINEAR_CONFIG,  # the Kimi Linear bench model's shapes, plus K3's features:
     "q_lora_rank": 384,
-    "kv_lora_rank": 256,
-    "qk_nope_head_dim": 64,
-    "qk_rope_head_dim": 32,
-    "v_head_dim": 64,
-    "mla_use_nope": True,
     "mla_use_output_gate": True,
-    "num_experts": 16,
-    "num_experts_per_token": 4,
-    "num_shared_experts": 1,
     "routed_expert_hidden_size": 384,
     "latent_moe_use_norm": True,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "moe_renormalize": True,
-    "moe_router_activation_func": "sigmoid",
     "routed_scaling_factor": 1.0,
-    "num_expert_group": 1,
-    "topk_group": 1,
-    "use_grouped_topk": True,
     "topk_method": "noaux_tc",
     "hidden_act": "situ",
     "activation_situ_beta": 4.0,
     "activation_situ_linear_beta": 25.0,
     "attn_res_block_size": 4,
-    "rms_norm_eps": 1e-05,
     "max_position_embeddings": 1048576,
-    "model_max_length": 1048576,
     "linear_attn_config": {
-        "full_attn_layers": [4, 8, 12],
-        "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11],
-        "head_dim": 128,
-        "num_heads": 6,
-        "short_conv_kernel_size": 4,
+        **KIMI_LINEAR_CONFIG["linear_attn_config"],
         "gate_lower_bound": -5.0,
         "use_full_rank_gate": True,
     },
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-    "torch_dtype": "bfloat16",
 }
 CONFIG = {
     "architectures": ["KimiK3ForConditionalGeneration"],

@@ -469,7 +469,7 @@ def run(args: argparse.Namespace, make_path, text_config: dict, targets, note: s
     for metric, vals, _ in rows:
         line = f"| {metric:46s} | " + " | ".join(f"{vals[n]:9.2f}" for n in names)
         if len(names) == 2:
-            line += f" | {vals['kimi-mlx'] / vals['mlx-lm']:17.2f}x |"
+            line += f" | {vals['kimi-mlx'] / vals['mlx-lm']:16.2f}x |"
         else:
             line += " |"
         print(line)

@@ -1,4 +1,5 @@
-"""Feed-forward blocks: dense SwiGLU MLP and the sigmoid-routed MoE with shared experts (spec §1.6).
+"""Feed-forward blocks: gated MLP (SwiGLU, or K3's SiTU) and the sigmoid-routed MoE with shared experts
+(spec §1.6), with K3's latent MoE (spec §2.4).
 
 Routed experts are stacked (``switch_mlp.{gate,up,down}_proj.weight: [E, out, in]``, mlx-lm's ``SwitchGLU``
 layout, float or quantized).
