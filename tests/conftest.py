@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -63,3 +64,34 @@ def arch(request, kl_dir, k3_dir) -> tuple[str, Path, dict, object]:
 def _isolated_home(tmp_path_factory, monkeypatch):
     """The demo model is written under a per-session temp home, never into the user's cache."""
     monkeypatch.setenv("KIMI_MLX_HOME", str(tmp_path_factory.getbasetemp() / "kimi-mlx-home"))
+
+
+def _writable_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    for f in dst.iterdir():
+        f.chmod(0o644)
+    return dst
+
+
+@pytest.fixture
+def kl_copy(kl_dir, tmp_path) -> Path:
+    """A writable copy of the Kimi Linear reference checkpoint directory."""
+    return _writable_copy(kl_dir / "hf", tmp_path / "hf")
+
+
+@pytest.fixture
+def k3_copy(k3_dir, tmp_path) -> Path:
+    """A writable copy of the Kimi-K3 reference checkpoint directory."""
+    return _writable_copy(k3_dir / "hf", tmp_path / "hf")
+
+
+def edit_checkpoint(path: Path, weights=None, config=None) -> None:
+    """Apply ``weights(dict)`` to model.safetensors and/or ``config(dict)`` to config.json, in place."""
+    if weights is not None:
+        w = dict(mx.load(str(path / "model.safetensors")))
+        weights(w)
+        mx.save_safetensors(str(path / "model.safetensors"), w)
+    if config is not None:
+        c = json.loads((path / "config.json").read_text())
+        config(c)
+        (path / "config.json").write_text(json.dumps(c))

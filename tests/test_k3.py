@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
+from conftest import edit_checkpoint
+
 from kimi_mlx.config import ConfigError, KimiConfig
 from kimi_mlx.convert.hf import CheckpointError
 from kimi_mlx.layers.kda import kda_decay
@@ -30,26 +32,6 @@ def decode_compressed_tensors_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np
     codes[:, 1::2] = packed >> 4
     values = E2M1[codes]
     return values * np.repeat(np.exp2(scale.astype(np.float64) - 127.0), 32, axis=1)
-
-
-@pytest.fixture
-def k3_copy(k3_dir, tmp_path):
-    dst = tmp_path / "hf"
-    shutil.copytree(k3_dir / "hf", dst)
-    for f in dst.iterdir():
-        f.chmod(0o644)
-    return dst
-
-
-def _edit(path, weights=None, config=None):
-    if weights is not None:
-        w = dict(mx.load(str(path / "model.safetensors")))
-        weights(w)
-        mx.save_safetensors(str(path / "model.safetensors"), w)
-    if config is not None:
-        c = json.loads((path / "config.json").read_text())
-        config(c)
-        (path / "config.json").write_text(json.dumps(c))
 
 
 def test_attn_res_mix_matches_formula():
@@ -130,7 +112,7 @@ def _experts_to_mxfp4(path, make, rng) -> dict:
             w[key.replace(".weight", ".weight_packed")] = mx.array(packed)
             w[key.replace(".weight", ".weight_scale")] = mx.array(scale)
 
-    _edit(path, weights=to_mxfp4, config=lambda c: c.__setitem__(
+    edit_checkpoint(path, weights=to_mxfp4, config=lambda c: c.__setitem__(
         "quantization_config", {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}))
     return decoded
 
@@ -161,7 +143,7 @@ def test_mxfp4_experts_load_byte_for_byte(k3_copy, make):
             del w[key.replace(".weight", ".weight_packed")], w[key.replace(".weight", ".weight_scale")]
             w[key] = mx.array(value.astype(np.float32))
 
-    _edit(float_dir, weights=to_float, config=lambda c: c.pop("quantization_config"))
+    edit_checkpoint(float_dir, weights=to_float, config=lambda c: c.pop("quantization_config"))
     reference, _ = load_model(float_dir, dtype=mx.float32)
     ids = mx.array([list(range(30))])
     # Weights are identical (checked above); quantized vs float matmuls only round differently.
@@ -213,7 +195,7 @@ def test_lora_on_every_linear_trains_one_step(k3_model):
 )
 def test_bad_k3_config_names_the_key(k3_copy, edit, key):
     """Unsupported K3 config values -> ConfigError naming the key (under text_config where it lives)."""
-    _edit(k3_copy, config=edit)
+    edit_checkpoint(k3_copy, config=edit)
     with pytest.raises(ConfigError, match=key):
         load_model(k3_copy)
 
@@ -227,14 +209,14 @@ def test_k3_features_rejected_in_kimi_linear(kl_dir):
 
 def test_missing_res_proj_is_named(k3_copy):
     """A missing AttnRes projection -> error naming the parameter."""
-    _edit(k3_copy, weights=lambda w: w.pop("language_model.model.layers.1.mlp_res_proj.weight"))
+    edit_checkpoint(k3_copy, weights=lambda w: w.pop("language_model.model.layers.1.mlp_res_proj.weight"))
     with pytest.raises(CheckpointError, match=r"language_model\.model\.layers\.1\.mlp_res\.proj\.weight"):
         load_model(k3_copy)
 
 
 def test_unsupported_quantization_config(k3_copy):
     """A compressed-tensors format other than mxfp4-pack-quantized -> error naming it."""
-    _edit(k3_copy, config=lambda c: c.__setitem__(
+    edit_checkpoint(k3_copy, config=lambda c: c.__setitem__(
         "quantization_config", {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}))
     with pytest.raises(CheckpointError, match="nvfp4-pack-quantized"):
         load_model(k3_copy)

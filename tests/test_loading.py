@@ -1,38 +1,17 @@
 """Loading HF directories: layouts, shards, quantization, and clear errors on bad input."""
 
 import json
-import shutil
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
+from conftest import edit_checkpoint
+
 from kimi_mlx.config import ConfigError, KimiConfig
 from kimi_mlx.convert.hf import CheckpointError
 from kimi_mlx.loading import ModelNotFoundError, load, load_model
-
-
-@pytest.fixture
-def kl_copy(kl_dir, tmp_path):
-    """A writable copy of the reference checkpoint directory."""
-    dst = tmp_path / "hf"
-    shutil.copytree(kl_dir / "hf", dst)
-    for f in dst.iterdir():
-        f.chmod(0o644)
-    return dst
-
-
-def _edit_weights(path, edit):
-    weights = dict(mx.load(str(path / "model.safetensors")))
-    edit(weights)
-    mx.save_safetensors(str(path / "model.safetensors"), weights)
-
-
-def _edit_config(path, edit):
-    cfg = json.loads((path / "config.json").read_text())
-    edit(cfg)
-    (path / "config.json").write_text(json.dumps(cfg))
 
 
 def _ids(manifest):
@@ -59,28 +38,28 @@ def test_sharded_checkpoint_with_index(kl_copy, kl_model, kl_manifest):
 
 def test_missing_tensor_is_named(kl_copy):
     """Dropping one tensor -> error naming that parameter and its expected shape."""
-    _edit_weights(kl_copy, lambda w: w.pop("model.layers.0.self_attn.b_proj.weight"))
+    edit_checkpoint(kl_copy, weights=lambda w: w.pop("model.layers.0.self_attn.b_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensors.*model\.layers\.0\.self_attn\.b_proj\.weight \(2, 256\)"):
         load_model(kl_copy)
 
 
 def test_wrong_shape_is_named(kl_copy):
     """A tensor with the wrong shape -> error naming it with expected and found shapes."""
-    _edit_weights(kl_copy, lambda w: w.__setitem__("model.layers.2.self_attn.q_proj.weight", mx.zeros((190, 256))))
+    edit_checkpoint(kl_copy, weights=lambda w: w.__setitem__("model.layers.2.self_attn.q_proj.weight", mx.zeros((190, 256))))
     with pytest.raises(CheckpointError, match=r"model\.layers\.2\.self_attn\.q_proj\.weight: expected \(192, 256\), found \(190, 256\)"):
         load_model(kl_copy)
 
 
 def test_unknown_extra_tensor_is_named(kl_copy):
     """An extra tensor the model does not have -> error naming it."""
-    _edit_weights(kl_copy, lambda w: w.__setitem__("model.layers.0.self_attn.surprise.weight", mx.zeros((2, 2))))
+    edit_checkpoint(kl_copy, weights=lambda w: w.__setitem__("model.layers.0.self_attn.surprise.weight", mx.zeros((2, 2))))
     with pytest.raises(CheckpointError, match=r"unexpected tensors: model\.layers\.0\.self_attn\.surprise\.weight"):
         load_model(kl_copy)
 
 
 def test_missing_expert_is_named(kl_copy):
     """One routed expert missing -> error naming the layer, the projection and the expert index."""
-    _edit_weights(kl_copy, lambda w: w.pop("model.layers.1.block_sparse_moe.experts.3.w2.weight"))
+    edit_checkpoint(kl_copy, weights=lambda w: w.pop("model.layers.1.block_sparse_moe.experts.3.w2.weight"))
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.block_sparse_moe\.experts\.\*\.w2\.weight.*missing \[3\]"):
         load_model(kl_copy)
 
@@ -100,7 +79,7 @@ def test_missing_expert_is_named(kl_copy):
 )
 def test_bad_config_names_the_key(kl_copy, edit, key):
     """Unsupported or inconsistent config values -> ConfigError naming the config file and the key."""
-    _edit_config(kl_copy, edit)
+    edit_checkpoint(kl_copy, config=edit)
     with pytest.raises(ConfigError) as err:
         load_model(kl_copy)
     assert key in str(err.value) and "config.json" in str(err.value)
@@ -176,7 +155,7 @@ def test_fused_qkv_checkpoint(kl_copy, kl_model, kl_manifest):
             p = f"model.layers.{i}.self_attn"
             w[f"{p}.qkv_proj.weight"] = mx.concatenate([w.pop(f"{p}.{n}_proj.weight") for n in "qkv"])
 
-    _edit_weights(kl_copy, fuse)
+    edit_checkpoint(kl_copy, weights=fuse)
     model, _ = load_model(kl_copy, dtype=mx.float32)
     assert "qkv_proj" in model.layers[0].self_attn
     diff = mx.abs(model(_ids(kl_manifest)) - kl_model(_ids(kl_manifest))).max().item()
@@ -185,7 +164,7 @@ def test_fused_qkv_checkpoint(kl_copy, kl_model, kl_manifest):
 
 def test_tied_embeddings(kl_copy, kl_manifest):
     """tie_word_embeddings: lm_head.weight is dropped and the embedding matrix is the output projection."""
-    _edit_config(kl_copy, lambda c: c.__setitem__("tie_word_embeddings", True))
+    edit_checkpoint(kl_copy, config=lambda c: c.__setitem__("tie_word_embeddings", True))
     model, _ = load_model(kl_copy, dtype=mx.float32)
     assert "lm_head" not in model
     h = model.model(_ids(kl_manifest))

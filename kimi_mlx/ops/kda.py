@@ -179,7 +179,6 @@ def _intra_chunk(q, k, v, g, beta):
     # Decay factors are products of alpha = exp(g) (one exp per element; no exponent is ever positive and no large
     # cumulative sums are subtracted, so there is no overflow and no cancellation after a -1000 step).
     alpha = mx.exp(g)
-    bcol = beta[..., None]
 
     # Diagonal (level "size 1"): Aqk[i, i] = q_i . k_i, Akk[i, i] = 0; L^-1 diagonal blocks are 1.
     aqk = (q * k).sum(axis=-1).reshape(M, C, 1, 1)
