@@ -85,3 +85,18 @@ def test_cli_bad_model_path(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert out.returncode == 2 and str(tmp_path / "missing") in out.stderr
+
+
+def test_bfloat16_model_runs_on_cpu(kl_dir):
+    """dtype=bfloat16 on the CPU backend (whose gather_mm is float32-only) decodes without error and stays close
+    to the float32 model's greedy logits."""
+    from kimi_mlx.loading import load_model
+
+    ids = mx.array([[1, 2, 3, 4, 5]])
+    f32, _ = load_model(kl_dir / "hf", dtype=mx.float32)
+    bf16, _ = load_model(kl_dir / "hf", dtype=mx.bfloat16)
+    cache = bf16.make_cache()
+    bf16(ids, cache=cache)
+    step = bf16(mx.array([[6]]), cache=cache)
+    ref = f32(mx.array([[1, 2, 3, 4, 5, 6]]))[:, -1:]
+    assert mx.abs(step.astype(mx.float32) - ref).max().item() < 0.5

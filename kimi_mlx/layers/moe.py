@@ -165,10 +165,20 @@ def sorted_switch_glu(switch: SwitchGLU, x: mx.array, inds: mx.array) -> mx.arra
     return y.reshape(*lead, k, y.shape[-1])
 
 
+def _gather_mm_unsupported(switch: SwitchGLU) -> bool:
+    """MLX's CPU gather_mm runs float32 only: bf16/fp16 float experts must take the sorted (plain matmul) path."""
+    w = switch.gate_proj.get("weight")
+    return (
+        type(switch.gate_proj) is SwitchLinear and w is not None and w.dtype != mx.float32
+        and mx.default_device() == mx.cpu
+    )
+
+
 def switch_glu(switch: SwitchGLU, x: mx.array, inds: mx.array, min_pairs: int = SORTED_MIN_PAIRS) -> mx.array:
-    """Routed experts: ``sorted_switch_glu`` from ``min_pairs`` (token, slot) pairs on, else ``SwitchGLU``."""
+    """Routed experts: ``sorted_switch_glu`` from ``min_pairs`` (token, slot) pairs on (and always for half-precision
+    float experts on the CPU backend), else ``SwitchGLU``."""
     if (
-        inds.size >= min_pairs
+        (inds.size >= min_pairs or _gather_mm_unsupported(switch))
         and type(switch) is SwitchGLU
         and all(_sortable(p) for p in (switch.gate_proj, switch.up_proj, switch.down_proj))
     ):
