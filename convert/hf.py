@@ -158,6 +158,11 @@ def kimi_linear_to_mlx(weights: dict[str, mx.array], cfg) -> dict[str, mx.array]
 
 
 _K3_DROPPED = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+# The other AttnRes spelling seen in the wild (e.g. sglang): layers.N.attn_res_* and model.final_attn_res_*.
+_K3_ALIASES = (
+    (re.compile(r"^(model\.layers\.\d+)\.attn_res_(norm|proj)\."), r"\1.self_attention_res_\2."),
+    (re.compile(r"^model\.final_attn_res_(norm|proj)\."), r"model.output_attn_res_\1."),
+)
 
 
 def kimi_k3_to_mlx(weights: dict[str, mx.array], cfg) -> dict[str, mx.array]:
@@ -165,6 +170,9 @@ def kimi_k3_to_mlx(weights: dict[str, mx.array], cfg) -> dict[str, mx.array]:
     text = {}
     for key, value in weights.items():
         bare = key[len("language_model."):] if key.startswith("language_model.") else key
-        if not bare.startswith(_K3_DROPPED):
-            text[bare] = value
+        if bare.startswith(_K3_DROPPED):
+            continue
+        for pattern, replacement in _K3_ALIASES:
+            bare = pattern.sub(replacement, bare)
+        text[bare] = value
     return {f"language_model.{k}": v for k, v in kimi_linear_to_mlx(text, cfg).items()}

@@ -253,3 +253,19 @@ def test_on_load_quantization_of_non_expert_weights(k3_copy):
     assert layer.mlp.switch_mlp.gate_proj.mode == "mxfp4"
     assert type(layer.mlp.gate) is nn.Linear and type(layer.mlp_res.proj) is nn.Linear
     assert mx.isfinite(model(mx.array([[1, 2, 3]]))).all().item()
+
+
+def test_other_attn_res_spelling_and_no_prefix(k3_copy, k3_model):
+    """The alternative AttnRes names (layers.N.attn_res_*, model.final_attn_res_*) and keys without the
+    language_model. prefix load to the same model as the official layout."""
+
+    def respell(w):
+        for k in list(w):
+            new = k.removeprefix("language_model.")
+            new = new.replace("self_attention_res_", "attn_res_").replace("output_attn_res_", "final_attn_res_")
+            w[new] = w.pop(k)
+
+    edit_checkpoint(k3_copy, weights=respell)
+    model, _ = load_model(k3_copy, dtype=mx.float32)
+    ids = mx.array([list(range(20))])
+    assert mx.array_equal(model(ids), k3_model(ids)).item()
