@@ -422,7 +422,7 @@ def describe(c: dict) -> str:
 def run(args: argparse.Namespace, make_path, text_config: dict, targets, note: str = "") -> int:
     """The benchmark: BLAS line, checkpoint (``make_path()`` -> its directory), parity, prefill/decode table and,
     with ``--profile``, the split over ``targets(which)`` (see ``profile``)."""
-    dtype = mx.float32 if args.dtype == "float32" else None  # bf16 = as stored (matrices bf16, gates float32)
+    dtype = mx.float32 if args.dtype == "float32" else mx.bfloat16  # bf16: matrices bf16, gates stay float32
 
     print(f"BLAS: {blas_in_use()}")
     print(f"mlx {mx.__version__}, device {mx.default_device()}, CPUs {os.cpu_count()}, dtype {args.dtype}, "

@@ -36,11 +36,17 @@ def decode_compressed_tensors_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np
 
 def test_attn_res_mix_matches_formula():
     """attn_res_mix == softmax over depth of (RMSNorm(V_i) . (norm_w * proj_w)) weighting the RAW V_i, float64
-    reference, for 1, 2 and 8 sources with very different scales."""
+    reference, for 1, 2 and 8 sources with very different scales; the called-projection form (used for LoRA-wrapped
+    projections) gives the same result."""
+    from kimi_mlx.ops.attn_res import attn_res_mix_scored, inv_rms
+
     rng = np.random.default_rng(0)
     d, eps = 64, 1e-5
     norm_w = 1 + 0.3 * rng.standard_normal(d)
     proj_w = rng.standard_normal((1, d))
+    proj = nn.Linear(d, 1, bias=False)
+    proj.weight = mx.array(proj_w, mx.float32)
+    nw = mx.array(norm_w, mx.float32)
     for n in (1, 2, 8):
         V = [rng.standard_normal((2, 5, d)) * 10.0 ** rng.uniform(-2, 2) for _ in range(n)]
         K = [v / np.sqrt((v * v).mean(-1, keepdims=True) + eps) for v in V]
@@ -48,11 +54,13 @@ def test_attn_res_mix_matches_formula():
         p = np.exp(logits - logits.max(0))
         p /= p.sum(0)
         expected = sum(p[i][..., None] * V[i] for i in range(n))
-        proj = nn.Linear(d, 1, bias=False)
-        proj.weight = mx.array(proj_w, mx.float32)
-        nw = mx.array(norm_w, mx.float32)
-        got = attn_res_mix([mx.array(v, mx.float32) for v in V], lambda k: proj(k * nw), eps)
+        blocks = [mx.array(v, mx.float32) for v in V[:-1]]
+        scales = [inv_rms(b, eps) for b in blocks]
+        partial = mx.array(V[-1], mx.float32)
+        got = attn_res_mix(blocks, scales, partial, nw * proj.weight[0], eps)
         np.testing.assert_allclose(np.array(got), expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())
+        scored = attn_res_mix_scored(blocks, scales, partial, lambda k: proj(k * nw), eps)
+        np.testing.assert_allclose(np.array(scored), np.array(got), rtol=1e-5, atol=1e-6 * np.abs(expected).max())
 
 
 @pytest.mark.parametrize("linear_beta", [2.5, None])

@@ -10,7 +10,7 @@ gate ``g_proj`` applied to the block input x, multiplied into the concatenated h
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +18,7 @@ from mlx_lm.models.mla import MultiLinear
 
 from ..cache import MLALatentCache
 from ..config import KimiConfig
+from .norm import RMSNorm
 
 
 class KimiMLA(nn.Module):
@@ -31,12 +32,12 @@ class KimiMLA(nn.Module):
         q_dim = H * (self.nope + self.rope)
         if cfg.q_lora_rank:
             self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = nn.RMSNorm(cfg.q_lora_rank, eps=1e-6)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_dim, bias=False)
         else:
             self.q_proj = nn.Linear(hidden, q_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope, bias=False)
-        self.kv_a_layernorm = nn.RMSNorm(self.rank, eps=cfg.mla_kv_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.rank, eps=cfg.mla_kv_norm_eps)
         self.embed_q = MultiLinear(self.nope, self.rank, H)
         self.unembed_out = MultiLinear(self.rank, self.v_dim, H)
         self.o_proj = nn.Linear(H * self.v_dim, hidden, bias=False)
@@ -49,9 +50,9 @@ class KimiMLA(nn.Module):
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def __call__(
-        self, x: mx.array, mask: Optional[mx.array] = None, cache: Optional[MLALatentCache] = None
+        self, x: mx.array, mask: Union[None, str, mx.array] = None, cache: Optional[MLALatentCache] = None
     ) -> mx.array:
-        """x: [B, T, hidden]; mask: [B or 1, 1, T, S] bool (True = may attend) or None (no masking needed)."""
+        """x: [B, T, hidden]; mask: None (single query), "causal", or [B, 1, T, S] bool (True = may attend)."""
         B, T, _ = x.shape
         q = self._q(x).reshape(B, T, self.num_heads, self.nope + self.rope).transpose(0, 2, 1, 3)
         q_nope, q_pe = mx.split(q, [self.nope], axis=-1)
@@ -61,19 +62,22 @@ class KimiMLA(nn.Module):
         if cache is not None:
             kv_latent, k_pe = cache.update_and_fetch(kv_latent, k_pe)
 
-        # The un-rotated k_pe part of the score enters SDPA as an additive mask: [B, H, T, S].
-        pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
-        if mask is not None:
-            pe_scores = mx.where(mask, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
-        if T == 1:  # absorbed: attend in latent space with one shared "head" of keys/values
+        if T == 1:
+            # Absorbed decode in latent space with one shared "head" of keys/values; the un-rotated k_pe part of
+            # the score [B, H, 1, S] enters SDPA as an additive mask.
+            pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
+            if isinstance(mask, mx.array):
+                pe_scores = mx.where(mask, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
             out = mx.fast.scaled_dot_product_attention(
                 self.embed_q(q_nope), kv_latent, kv_latent, scale=self.scale, mask=pe_scores
             )
             out = self.unembed_out(out)
         else:
-            k = self.embed_q(kv_latent, transpose=False)
+            # Expanded prefill: per-head keys [k_nope | k_pe (shared by all heads)] against [q_nope | q_pe].
+            k_nope = self.embed_q(kv_latent, transpose=False)
+            k = mx.concatenate([k_nope, mx.broadcast_to(k_pe, (*k_nope.shape[:-1], self.rope))], axis=-1)
             v = self.unembed_out(kv_latent)
-            out = mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=self.scale, mask=pe_scores)
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
         if "g_proj" in self:
             out = out * mx.sigmoid(self.g_proj(x))

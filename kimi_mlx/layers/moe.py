@@ -24,6 +24,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU, SwitchLinear
 
 from ..config import KimiConfig
+from .norm import RMSNorm
 
 
 @partial(mx.compile, shapeless=True)
@@ -205,7 +206,7 @@ class SparseMoE(nn.Module):
             self.routed_expert_down_proj = nn.Linear(cfg.hidden_size, width, bias=False)
             self.routed_expert_up_proj = nn.Linear(width, cfg.hidden_size, bias=False)
             if cfg.latent_moe_use_norm:
-                self.routed_expert_norm = nn.RMSNorm(width, eps=cfg.rms_norm_eps)
+                self.routed_expert_norm = RMSNorm(width, eps=cfg.rms_norm_eps)
         if cfg.num_shared_experts:
             self.shared_experts = MLP(
                 cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts, make_activation(cfg)

@@ -15,20 +15,43 @@ import mlx.nn as nn
 
 from ..config import KimiConfig
 from ..convert.hf import kimi_k3_to_mlx
-from ..ops.attn_res import attn_res_mix
+from ..ops.attn_res import attn_res_mix, attn_res_mix_scored, inv_rms
 from .kimi_linear import DecoderLayer, KimiLinearModel, Model, layer_masks
 
 
+class Snapshots:
+    """The completed AttnRes blocks of one forward pass: values [B, T, d] and their inv_rms [B, T, 1] float32,
+    computed once when a block is stored (only the running partial sum is new at each mix point)."""
+
+    def __init__(self, eps: float):
+        self.eps = eps
+        self.values: list[mx.array] = []
+        self.inv_rms: list[mx.array] = []
+
+    def append(self, x: mx.array) -> None:
+        self.values.append(x)
+        self.inv_rms.append(inv_rms(x, self.eps))
+
+    def __bool__(self) -> bool:
+        return bool(self.values)
+
+
 class ResidualMix(nn.Module):
-    """One AttnRes mix point: a weightless RMSNorm of each source, scored by ``proj(k * norm.weight)``."""
+    """One AttnRes mix point: weightless RMSNorm of each source, scored by norm.weight * proj.weight."""
 
     def __init__(self, hidden: int, eps: float):
         super().__init__()
         self.norm = nn.RMSNorm(hidden, eps=eps)
         self.proj = nn.Linear(hidden, 1, bias=False)
 
-    def __call__(self, sources: list[mx.array]) -> mx.array:
-        return attn_res_mix(sources, lambda k: self.proj(k * self.norm.weight.astype(k.dtype)), self.norm.eps)
+    def __call__(self, blocks: Snapshots, partial: mx.array) -> mx.array:
+        eps = self.norm.eps
+        w_n = self.norm.weight.astype(mx.float32)
+        if type(self.proj) is nn.Linear:  # a plain projection: fold both weights into one score vector
+            w_eff = w_n * self.proj.weight[0].astype(mx.float32)
+            return attn_res_mix(blocks.values, blocks.inv_rms, partial, w_eff, eps)
+        # a wrapped projection (e.g. LoRA) is called, never read
+        return attn_res_mix_scored(blocks.values, blocks.inv_rms, partial, lambda k: self.proj(k * w_n), eps)
 
 
 class K3DecoderLayer(DecoderLayer):
@@ -40,14 +63,14 @@ class K3DecoderLayer(DecoderLayer):
         self.self_attention_res = ResidualMix(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp_res = ResidualMix(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def __call__(self, blocks: list[mx.array], partial: mx.array, mask, cache=None) -> mx.array:
+    def __call__(self, blocks: Snapshots, partial: mx.array, mask, cache=None) -> mx.array:
         """blocks: completed snapshots (appended to in place at a block start); partial: running sum [B, T, d]."""
-        x = self.self_attention_res(blocks + [partial]) if blocks else partial
+        x = self.self_attention_res(blocks, partial) if blocks else partial
         if self.block_start:
             blocks.append(partial)
         a = self.self_attn(self.input_layernorm(x), mask, cache)
         partial = a if self.block_start else partial + a
-        x = self.mlp_res(blocks + [partial])
+        x = self.mlp_res(blocks, partial)
         return partial + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -63,10 +86,10 @@ class K3TextModel(KimiLinearModel):
             return super().__call__(inputs, cache, input_embeddings)
         h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
         kda_mask, attn_mask = layer_masks(h.shape[1], cache)
-        blocks: list[mx.array] = []  # at most num_layers / block_size snapshots live during a forward
+        blocks = Snapshots(self.output_attn_res.norm.eps)  # at most num_layers / block_size live in a forward
         for layer, layer_cache in zip(self.layers, cache or [None] * len(self.layers)):
             h = layer(blocks, h, kda_mask if layer.is_linear else attn_mask, layer_cache)
-        return self.norm(self.output_attn_res(blocks + [h]))
+        return self.norm(self.output_attn_res(blocks, h))
 
 
 class K3LanguageModel(Model):

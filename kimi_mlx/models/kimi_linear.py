@@ -6,7 +6,7 @@ Follows mlx-lm's model protocol: ``model(inputs [B, T] int, cache) -> logits [B,
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,6 +17,7 @@ from ..convert.hf import kimi_linear_to_mlx
 from ..layers.kda import KimiDeltaAttention
 from ..layers.mla import KimiMLA
 from ..layers.moe import MLP, SparseMoE, make_activation
+from ..layers.norm import RMSNorm
 
 
 class DecoderLayer(nn.Module):
@@ -30,35 +31,32 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoE(cfg)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, make_activation(cfg))
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def __call__(self, x: mx.array, mask: Optional[mx.array], cache=None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def attention_mask(
-    T: int, offset: int, left_padding: Optional[mx.array]
-) -> Optional[mx.array]:
-    """Causal mask over cached + new keys, [B or 1, 1, T, offset+T] bool (None for one unpadded query).
+def attention_mask(T: int, offset: int, left_padding: Optional[mx.array]) -> Union[None, str, mx.array]:
+    """Mask for T new queries over offset+T keys: None (one unpadded query), "causal" (no padding; SDPA aligns it
+    to the last key), or a bool array [B, 1, T, offset+T] for a left-padded batch.
 
     Padded keys (position < left_padding[b]) are hidden; a padded query still sees itself so no row is empty.
     """
-    if T == 1 and left_padding is None:
-        return None
+    if left_padding is None:
+        return None if T == 1 else "causal"
     q_pos = offset + mx.arange(T)
     k_pos = mx.arange(offset + T)
     mask = k_pos[None, :] <= q_pos[:, None]
-    if left_padding is None:
-        return mask[None, None]
     real_key = k_pos[None, None, :] >= left_padding[:, None, None]
     itself = k_pos[None, None, :] == q_pos[None, :, None]
     return (mask[None] & (real_key | itself))[:, None]
 
 
 def layer_masks(T: int, cache) -> tuple[Optional[mx.array], Optional[mx.array]]:
-    """(KDA mask [B, T] or None, MLA mask [B or 1, 1, T, S] or None) for T new tokens after ``cache``."""
+    """(KDA mask [B, T] or None, MLA mask (see ``attention_mask``)) for T new tokens after ``cache``."""
     if cache is None:
         return None, attention_mask(T, 0, None)
     return cache[0].valid_mask(T), attention_mask(T, cache[0].offset, cache[0].left_padding)
@@ -69,7 +67,7 @@ class KimiLinearModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = [DecoderLayer(cfg, i, fused_qkv) for i in range(cfg.num_hidden_layers)]
-        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None) -> mx.array:
         h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
