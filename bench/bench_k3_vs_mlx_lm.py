@@ -24,7 +24,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_mlx_lm import CONFIG as KIMI_LINEAR_CONFIG  # noqa: E402
 from bench_vs_mlx_lm import (  # noqa: E402
-    KEEP_F32, SEED, checkpoint_dir, make_checkpoint, parse_args, profile_targets, run,
+    KEEP_F32,
+    SEED,
+    checkpoint_dir,
+    make_checkpoint,
+    parse_args,
+    profile_targets,
+    run,
 )
 
 TEXT_CONFIG = {

@@ -36,7 +36,18 @@ import contextlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Collection, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import (
+    Any,
+    Collection,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Union,
+)
 
 import tiktoken
 

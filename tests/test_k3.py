@@ -9,12 +9,11 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 import pytest
+from conftest import edit_checkpoint
+from kimi_mlx.convert.hf import CheckpointError
 from mlx.utils import tree_flatten, tree_unflatten
 
-from conftest import edit_checkpoint
-
 from kimi_mlx.config import ConfigError, KimiConfig
-from kimi_mlx.convert.hf import CheckpointError
 from kimi_mlx.layers.kda import kda_decay
 from kimi_mlx.layers.moe import situ
 from kimi_mlx.loading import load_model

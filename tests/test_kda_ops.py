@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
-
-import mlx.core as mx
 
 from kimi_mlx.ops import kda as kda_mod
 from kimi_mlx.ops.kda import kda_chunked, kda_forward, kda_recurrent

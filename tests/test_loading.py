@@ -6,11 +6,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-
 from conftest import edit_checkpoint
+from kimi_mlx.convert.hf import CheckpointError
 
 from kimi_mlx.config import ConfigError, KimiConfig
-from kimi_mlx.convert.hf import CheckpointError
 from kimi_mlx.loading import ModelNotFoundError, load, load_model
 
 

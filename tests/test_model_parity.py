@@ -6,7 +6,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-
 # Cache-consistency tolerance. Kimi Linear: 1e-5 (the issue's bound). Kimi-K3's tiny model amplifies float32
 # rounding more: its KDA outputs are ~0.02 in scale and o_norm rescales them to ~1, so chunked (prefill) and
 # recurrent (decode) KDA, both within 2e-7 relative of a float64 scan, differ by up to ~4e-5 in its logits.

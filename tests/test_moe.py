@@ -8,7 +8,12 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from kimi_mlx.config import KimiConfig
 from kimi_mlx.layers import moe
-from kimi_mlx.layers.moe import SORTED_MIN_PAIRS, SparseMoE, sorted_switch_glu, switch_glu
+from kimi_mlx.layers.moe import (
+    SORTED_MIN_PAIRS,
+    SparseMoE,
+    sorted_switch_glu,
+    switch_glu,
+)
 
 E, K, HIDDEN, INTER = 8, 2, 64, 32
 

@@ -21,7 +21,12 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU, SwitchLinear
+from mlx_lm.models.switch_layers import (
+    QuantizedSwitchLinear,
+    SwiGLU,
+    SwitchGLU,
+    SwitchLinear,
+)
 
 from ..config import KimiConfig
 from .norm import RMSNorm
