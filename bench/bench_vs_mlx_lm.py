@@ -258,40 +258,40 @@ def greedy_decode(model, tok: mx.array, cache, steps: int) -> mx.array:
     return tok
 
 
-def time_prefill(model, T: int, runs: int, vocab: int):
-    tokens = mx.random.randint(0, vocab, (1, T), key=mx.random.key(T))
-    times, peak = [], 0
-    for i in range(runs + 1):  # first run = warm-up (shape-specialised compiles)
-        cache = model.make_cache()
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        t0 = time.perf_counter()
-        prefill(model, tokens, cache)
-        dt = time.perf_counter() - t0
-        peak = max(peak, mx.get_peak_memory())
-        if i:
-            times.append(dt)
-        del cache
-    return T / statistics.median(times), peak, times
+def prefill_once(model, tokens: mx.array) -> tuple[float, int]:
+    """One prefill of ``tokens`` into a fresh cache: (tokens/s, peak bytes)."""
+    cache = model.make_cache()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    prefill(model, tokens, cache)
+    return tokens.shape[1] / (time.perf_counter() - t0), mx.get_peak_memory()
 
 
-def time_decode(model, prompt_len: int, steps: int, runs: int, vocab: int):
-    tokens = mx.random.randint(0, vocab, (1, prompt_len), key=mx.random.key(7))
-    rates, peak = [], 0
-    for i in range(runs + 1):
-        cache = model.make_cache()
-        logits = prefill(model, tokens, cache)
-        tok = mx.argmax(logits[:, -1], axis=-1)
-        mx.eval(tok)
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        t0 = time.perf_counter()
-        greedy_decode(model, tok, cache, steps)
-        dt = time.perf_counter() - t0
-        peak = max(peak, mx.get_peak_memory())
-        if i:
-            rates.append(steps / dt)
-    return statistics.median(rates), peak, rates
+def decode_once(model, tokens: mx.array, steps: int) -> tuple[float, int]:
+    """Prefill ``tokens``, then ``steps`` greedy decode steps timed: (tokens/s, peak bytes during decode)."""
+    cache = model.make_cache()
+    logits = prefill(model, tokens, cache)
+    tok = mx.argmax(logits[:, -1], axis=-1)
+    mx.eval(tok)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    greedy_decode(model, tok, cache, steps)
+    return steps / (time.perf_counter() - t0), mx.get_peak_memory()
+
+
+def interleaved(models: dict, measure, runs: int) -> tuple[dict, dict]:
+    """``runs`` rounds (after one warm-up round) of ``measure(model)`` alternating between the implementations, so
+    both see the same machine load: ({name: [rates]}, {name: peak bytes})."""
+    rates, peaks = {n: [] for n in models}, {n: 0 for n in models}
+    for i in range(runs + 1):  # round 0 = warm-up (shape-specialised compiles)
+        for name, model in models.items():
+            rate, peak = measure(model)
+            peaks[name] = max(peaks[name], peak)
+            if i:
+                rates[name].append(rate)
+    return rates, peaks
 
 
 def parity(kimi, ref, vocab: int, T: int = 24):
@@ -426,8 +426,8 @@ def run(args: argparse.Namespace, make_path, text_config: dict, targets, note: s
 
     print(f"BLAS: {blas_in_use()}")
     print(f"mlx {mx.__version__}, device {mx.default_device()}, CPUs {os.cpu_count()}, dtype {args.dtype}, "
-          f"prompt processed in chunks of {PREFILL_STEP} (mlx-lm's default prefill step), median of {args.runs} runs "
-          f"after 1 warm-up")
+          f"prompt processed in chunks of {PREFILL_STEP} (mlx-lm's default prefill step), {args.runs} rounds after "
+          f"1 warm-up round, implementations alternating within each round")
     t0 = time.perf_counter()
     path = make_path()
     print(f"checkpoint: {path} ({time.perf_counter() - t0:.1f}s); {describe(text_config)}{note}")
@@ -443,33 +443,35 @@ def run(args: argparse.Namespace, make_path, text_config: dict, targets, note: s
         print(f"logit parity (24-token prompt, then 4 decode steps): max |diff| prefill {pre:.2e}, decode {dec:.2e} "
               f"(max |logit| {scale:.1f})")
 
-    rows = []  # (metric, {impl: value}, higher_is_better)
+    rows = []  # (metric, {impl: [values per round]})
     for T in args.sizes:
-        res, mem = {}, {}
-        for name, model in models.items():
-            tps, peak, times = time_prefill(model, T, args.runs, vocab)
-            res[name], mem[name] = tps, peak / 2**30
-            print(f"  {name:8s} prefill {T:5d}: {tps:8.1f} tok/s  runs {[round(t, 2) for t in times]} s", flush=True)
-        rows.append((f"prefill {T} (tok/s)", res, True))
-        rows.append((f"  peak mem prefill {T} (GiB)", mem, False))
-    res, mem = {}, {}
-    for name, model in models.items():
-        tps, peak, rates = time_decode(model, args.decode_prompt, args.decode_steps, args.runs, vocab)
-        res[name], mem[name] = tps, peak / 2**30
-        print(f"  {name:8s} decode: {tps:8.2f} tok/s  runs {[round(r, 2) for r in rates]}", flush=True)
-    rows.append((f"decode after {args.decode_prompt} (tok/s, {args.decode_steps} steps)", res, True))
-    rows.append(("  peak mem decode (GiB)", mem, False))
+        tokens = mx.random.randint(0, vocab, (1, T), key=mx.random.key(T))
+        rates, peaks = interleaved(models, lambda m: prefill_once(m, tokens), args.runs)
+        for name in models:
+            print(f"  {name:8s} prefill {T:5d}: {statistics.median(rates[name]):8.1f} tok/s  runs "
+                  f"{[round(r, 1) for r in rates[name]]}", flush=True)
+        rows.append((f"prefill {T} (tok/s)", rates))
+        rows.append((f"  peak mem prefill {T} (GiB)", {n: [p / 2**30] for n, p in peaks.items()}))
+    tokens = mx.random.randint(0, vocab, (1, args.decode_prompt), key=mx.random.key(7))
+    rates, peaks = interleaved(models, lambda m: decode_once(m, tokens, args.decode_steps), args.runs)
+    for name in models:
+        print(f"  {name:8s} decode: {statistics.median(rates[name]):8.2f} tok/s  runs "
+              f"{[round(r, 2) for r in rates[name]]}", flush=True)
+    rows.append((f"decode after {args.decode_prompt} (tok/s, {args.decode_steps} steps)", rates))
+    rows.append(("  peak mem decode (GiB)", {n: [p / 2**30] for n, p in peaks.items()}))
 
     names = list(models)
     print()
     header = f"| {'metric':46s} | " + " | ".join(f"{n:>9s}" for n in names)
     header += " | kimi-mlx / mlx-lm |" if len(names) == 2 else " |"
+    print("(values: medians over the rounds; ratio: median of the per-round ratios, each round ran both back to back)")
     print(header)
     print("|" + "-" * 48 + "|" + "|".join("-" * 11 for _ in names) + ("|" + "-" * 19 + "|" if len(names) == 2 else "|"))
-    for metric, vals, _ in rows:
-        line = f"| {metric:46s} | " + " | ".join(f"{vals[n]:9.2f}" for n in names)
+    for metric, vals in rows:
+        line = f"| {metric:46s} | " + " | ".join(f"{statistics.median(vals[n]):9.2f}" for n in names)
         if len(names) == 2:
-            line += f" | {vals['kimi-mlx'] / vals['mlx-lm']:16.2f}x |"
+            ratio = statistics.median(k / m for k, m in zip(vals["kimi-mlx"], vals["mlx-lm"]))
+            line += f" | {ratio:16.2f}x |"
         else:
             line += " |"
         print(line)
