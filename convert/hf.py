@@ -17,9 +17,12 @@ stacked and reinterpreted, never dequantized.
 
 from __future__ import annotations
 
+import logging
 import re
 
 import mlx.core as mx
+
+log = logging.getLogger("kimi_mlx")
 
 _EXPERT = re.compile(
     r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\."
@@ -128,7 +131,11 @@ def _split_kv_b(weights: dict, prefix: str, cfg) -> None:
 
 def kimi_linear_to_mlx(weights: dict[str, mx.array], cfg) -> dict[str, mx.array]:
     """Rename/reshape a Kimi Linear checkpoint into kimi-mlx parameters (see module docstring)."""
-    weights = {k: v for k, v in weights.items() if not k.startswith(("model.mtp", "mtp."))}
+    mtp = {k for k in weights if k.startswith(("model.mtp", "mtp."))}
+    if mtp:
+        log.warning("note: ignoring %d multi-token-prediction (MTP) tensors; kimi-mlx decodes one token per step",
+                    len(mtp))
+        weights = {k: v for k, v in weights.items() if k not in mtp}
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     weights = _stack_experts(weights, cfg.num_experts)
@@ -167,12 +174,15 @@ _K3_ALIASES = (
 
 def kimi_k3_to_mlx(weights: dict[str, mx.array], cfg) -> dict[str, mx.array]:
     """Kimi-K3 checkpoint -> kimi-mlx parameters under ``language_model.`` (see module docstring)."""
-    text = {}
+    text, vision = {}, 0
     for key, value in weights.items():
         bare = key[len("language_model."):] if key.startswith("language_model.") else key
         if bare.startswith(_K3_DROPPED):
+            vision += 1
             continue
         for pattern, replacement in _K3_ALIASES:
             bare = pattern.sub(replacement, bare)
         text[bare] = value
+    if vision:
+        log.warning("note: ignoring %d vision tower / projector tensors; kimi-mlx runs K3's text model", vision)
     return {f"language_model.{k}": v for k, v in kimi_linear_to_mlx(text, cfg).items()}

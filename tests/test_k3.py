@@ -276,3 +276,15 @@ def test_other_attn_res_spelling_and_no_prefix(k3_copy, k3_model):
     model, _ = load_model(k3_copy, dtype=mx.float32)
     ids = mx.array([list(range(20))])
     assert mx.array_equal(model(ids), k3_model(ids)).item()
+
+
+def test_vision_and_mtp_tensors_ignored_with_a_note(k3_copy, k3_model, caplog):
+    """The fixture's vision tower/projector tensors and an added MTP tensor are skipped (same logits) with a note
+    that says how many and why."""
+    edit_checkpoint(k3_copy, weights=lambda w: w.__setitem__("language_model.model.mtp.0.proj.weight", mx.zeros((4,))))
+    with caplog.at_level("WARNING", logger="kimi_mlx"):
+        model, _ = load_model(k3_copy, dtype=mx.float32)
+    notes = " ".join(r.getMessage() for r in caplog.records)
+    assert "ignoring 2 vision tower / projector tensors" in notes and "ignoring 1 multi-token-prediction" in notes
+    ids = mx.array([list(range(12))])
+    assert mx.array_equal(model(ids), k3_model(ids)).item()
