@@ -140,9 +140,11 @@ def batch_generate(
     max_tokens: int,
     sampler=None,
     pad_id: int = 0,
+    prefill_step_size: int = 2048,
 ) -> tuple[list[list[int]], list[mx.array]]:
     """Generate for several prompts at once (greedy unless ``sampler``), left-padding to the longest prompt.
 
+    The prompts are prefilled in chunks of ``prefill_step_size`` tokens (bounded activation memory).
     Returns (generated ids per prompt, per-step logprobs ``[B, vocab]``); no early stop, each row gets max_tokens.
     """
     longest = max(len(p) for p in prompts)
@@ -151,7 +153,11 @@ def batch_generate(
     cache = model.make_cache(left_padding=padding)
     sampler = sampler or (lambda lp: mx.argmax(lp, axis=-1))
     out, steps = [[] for _ in prompts], []
-    logits = model(tokens, cache=cache)[:, -1]
+    for start in range(0, longest - 1, prefill_step_size):
+        chunk = tokens[:, start : min(start + prefill_step_size, longest - 1)]
+        model(chunk, cache=cache)
+        mx.eval([c.state for c in cache])
+    logits = model(tokens[:, longest - 1 :], cache=cache)[:, -1]
     for step in range(max_tokens):
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         nxt = sampler(logprobs)

@@ -67,14 +67,15 @@ def test_prefill_in_two_chunks_equals_one(arch):
 
 def test_ragged_batch_equals_singles(arch):
     """A left-padded batch of 3 prompts of different length gives, per row, the same last-position logits and
-    the same greedy continuation (8 tokens) as running each prompt alone."""
+    the same greedy continuation (8 tokens) as running each prompt alone; the batch is prefilled in chunks of 7
+    tokens, so padding masks also cross chunk boundaries."""
     name, _, kl_manifest, kl_model = arch
     tol = CONSISTENCY_TOL[name]
     from kimi_mlx.generate import batch_generate
 
     ids = kl_manifest["token_ids"]
     prompts = [ids[:40], ids[5:22], ids[30:33]]
-    batch_tokens, batch_steps = batch_generate(kl_model, prompts, max_tokens=8)
+    batch_tokens, batch_steps = batch_generate(kl_model, prompts, max_tokens=8, prefill_step_size=7)
     for row, prompt in enumerate(prompts):
         single_tokens, single_steps = batch_generate(kl_model, [prompt], max_tokens=8)
         assert batch_tokens[row] == single_tokens[0], f"row {row}"
