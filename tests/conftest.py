@@ -95,3 +95,18 @@ def edit_checkpoint(path: Path, weights=None, config=None) -> None:
         c = json.loads((path / "config.json").read_text())
         config(c)
         (path / "config.json").write_text(json.dumps(c))
+
+
+def mlx_lm_quantized(src: Path, dst: Path):
+    """Convert ``src`` with mlx-lm and 4-bit quantize it (group 32, its own predicate) into ``dst``; returns mlx-lm's
+    model of ``dst`` with its float weights in float32 (the reference for our loader of that directory)."""
+    from mlx.utils import tree_map
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    ref, config = load_model(src)
+    ref, config = quantize_model(ref, config, 32, 4, quant_predicate=ref.quant_predicate)
+    save_model(dst, ref)
+    save_config(config, dst / "config.json")
+    ref, _ = load_model(dst)
+    ref.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a, ref.parameters()))
+    return ref

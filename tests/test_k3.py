@@ -9,7 +9,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 import pytest
-from conftest import edit_checkpoint
+from conftest import edit_checkpoint, mlx_lm_quantized
 from kimi_mlx.convert.hf import CheckpointError
 from mlx.utils import tree_flatten, tree_unflatten
 
@@ -232,16 +232,7 @@ def test_unsupported_quantization_config(k3_copy):
 def test_mlx_lm_quantized_k3_directory(k3_dir, tmp_path):
     """A K3 directory converted and 4-bit quantized by mlx-lm (fused qkv_proj/qkv_conv, split kv_b_proj, its
     AttnRes names) loads and matches mlx-lm's own forward of that directory in float32 (<= 1e-4)."""
-    from mlx.utils import tree_map
-    from mlx_lm.utils import load_model as mlx_lm_load_model
-    from mlx_lm.utils import quantize_model, save_config, save_model
-
-    ref, config = mlx_lm_load_model(k3_dir / "hf")
-    ref, config = quantize_model(ref, config, 32, 4, quant_predicate=ref.quant_predicate)
-    save_model(tmp_path, ref)
-    save_config(config, tmp_path / "config.json")
-    ref, _ = mlx_lm_load_model(tmp_path)
-    ref.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a, ref.parameters()))
+    ref = mlx_lm_quantized(k3_dir / "hf", tmp_path)
     ours, _ = load_model(tmp_path, dtype=mx.float32)
     assert "qkv_proj" in ours.layers[0].self_attn
     ids = mx.array([list(range(40))])

@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import edit_checkpoint
+from conftest import edit_checkpoint, mlx_lm_quantized
 from kimi_mlx.convert.hf import CheckpointError
 
 from kimi_mlx.config import ConfigError, KimiConfig
@@ -130,16 +130,7 @@ def test_on_load_quantization_keeps_router_and_norms_float(kl_dir, kl_manifest, 
 def test_mlx_lm_quantized_directory(kl_dir, kl_manifest, tmp_path):
     """A directory converted and 4-bit quantized by mlx-lm (its key layout, split kv_b_proj, stacked experts,
     8-bit router overrides) loads and matches mlx-lm's own forward of that directory in float32 (<= 1e-4)."""
-    from mlx.utils import tree_map
-    from mlx_lm.utils import load_model as mlx_lm_load_model
-    from mlx_lm.utils import quantize_model, save_config, save_model
-
-    ref, config = mlx_lm_load_model(kl_dir / "hf")
-    ref, config = quantize_model(ref, config, 32, 4, quant_predicate=ref.quant_predicate)
-    save_model(tmp_path, ref)
-    save_config(config, tmp_path / "config.json")
-    ref, _ = mlx_lm_load_model(tmp_path)
-    ref.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a, ref.parameters()))
+    ref = mlx_lm_quantized(kl_dir / "hf", tmp_path)
     ours, _ = load_model(tmp_path, dtype=mx.float32)
     assert "scales" in ours.layers[1].mlp.switch_mlp.gate_proj
     diff = mx.abs(ours(_ids(kl_manifest)) - ref(_ids(kl_manifest))).max().item()
