@@ -220,6 +220,17 @@ def load(path_or_hf_id: Union[str, Path], dtype: Optional[mx.Dtype] = None, quan
         Default: as stored on the GPU, float32 on the CPU backend.
     quantize: None, bits (int), or ``{"bits", "group_size", "mode"}`` for on-load affine quantization.
     """
+    if str(path_or_hf_id).endswith(".gguf"):  # one GGUF, or any shard of a -0000k-of-0000N.gguf split set
+        from .convert.gguf.arch import load_gguf_model
+        from .convert.gguf.reader import GGUFFile
+        from .convert.gguf.tokenizer import load_gguf_tokenizer
+
+        gguf_file = GGUFFile(Path(path_or_hf_id).expanduser())
+        tokenizer = load_gguf_tokenizer(gguf_file)  # validates the tokenizer metadata before any weight is read
+        model, _, _ = load_gguf_model(gguf_file, dtype=dtype)
+        if quantize is not None and quantize is not False:
+            quantize_model(model, _quantization_spec(quantize))
+        return model, tokenizer
     path = resolve_model_path(path_or_hf_id)
     model, _ = load_model(path, dtype=dtype, quantize=quantize)
     return model, load_kimi_tokenizer(path)

@@ -1,0 +1,226 @@
+"""GGUF loading (llama.cpp files for kimi-linear / kimi-k3): logits parity with llama.cpp, the GGUF tokenizer,
+and strict validation of malformed files (made here from the F32 fixtures)."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import K3_FIXTURE, KL_FIXTURE
+from kimi_mlx.convert.gguf.arch import load_gguf_model
+from kimi_mlx.convert.gguf.reader import GGUFFile, GGUFFormatError
+from kimi_mlx.convert.gguf.tokenizer import load_gguf_tokenizer
+
+gguf = pytest.importorskip("gguf")
+
+GGUFS = [(d, q) for d in (KL_FIXTURE, K3_FIXTURE) for q in ("F32", "F16", "Q8_0")]
+
+
+def _file(d: Path, q: str) -> Path:
+    return d / f"{'kimi-linear' if d == KL_FIXTURE else 'kimi-k3'}-tiny-{q}.gguf"
+
+
+def _manifest(d: Path) -> dict:
+    return json.loads((d / "manifest.json").read_text())
+
+
+def _logits(model, ids) -> np.ndarray:
+    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
+
+
+@pytest.mark.parametrize("d,q", GGUFS, ids=[f"{d.name}-{q}" for d, q in GGUFS])
+def test_logits_match_llama_cpp(d, q):
+    """float32 logits at every position within 3e-4 of llama.cpp (F32 file: its logits; F16/Q8_0: llama.cpp on the
+    same weights dequantised to F32), loaded through ``kimi_mlx.load`` (Q8_0 kept as MLX 8-bit layers)."""
+    import kimi_mlx
+
+    f = _file(d, q)
+    model, _ = kimi_mlx.load(str(f), dtype=mx.float32)
+    ref = np.load(str(f)[:-5] + (".logits.npy" if q == "F32" else ".dequant_f32.logits.npy"))
+    out = _logits(model, _manifest(d)["token_ids"])
+    assert out.shape == ref.shape
+    assert np.abs(out - ref).max() < 3e-4
+    if q == "Q8_0":
+        from mlx.utils import tree_flatten
+
+        assert any(k.endswith(".scales") for k, _ in tree_flatten(model.parameters())), "Q8_0 not kept quantized"
+
+
+@pytest.mark.parametrize("d", [KL_FIXTURE, K3_FIXTURE], ids=["kimi_linear", "kimi_k3"])
+def test_dequantize_path_matches(d):
+    """``quantized="dequantize"`` (every tensor decoded to float) gives the same logits for the Q8_0 file."""
+    f = _file(d, "Q8_0")
+    model, _, _ = load_gguf_model(f, dtype=mx.float32, quantized="dequantize")
+    ref = np.load(str(f)[:-5] + ".dequant_f32.logits.npy")
+    assert np.abs(_logits(model, _manifest(d)["token_ids"]) - ref).max() < 3e-4
+
+
+@pytest.mark.parametrize("d", [KL_FIXTURE, K3_FIXTURE], ids=["kimi_linear", "kimi_k3"])
+def test_tokenizer_from_gguf(d):
+    """The tokenizer built from GGUF metadata alone reproduces the manifest ids (a 40-token prefix of the text) and
+    llama.cpp's ids for every tokenizer_check.json string; eos/stop ids follow the spec (KL [EOS], K3 <|im_end|>)."""
+    g = GGUFFile(_file(d, "F16"))
+    wrapper = load_gguf_tokenizer(g)
+    tok = wrapper._tokenizer
+    man = _manifest(d)
+    ids = tok.encode_with_special_tokens(man["token_text"])
+    assert ids[: len(man["token_ids"])] == man["token_ids"]
+    for case in json.loads((d / "tokenizer_check.json").read_text()):
+        assert tok.encode_with_special_tokens(case["text"]) == case["llama_cpp_ids"], case["text"]
+    assert tok.decode(ids) == man["token_text"]
+    base = 384
+    assert tok.eos_token == ("[EOS]" if d == KL_FIXTURE else "<|im_end|>")
+    assert {base + 1, base + 2} <= set(wrapper.eos_token_ids)
+
+
+def test_config_from_metadata():
+    """KimiConfig built from GGUF metadata: layer schedule from head_count_kv, K3 fields, llama.cpp eps convention."""
+    kl = GGUFFile(_file(KL_FIXTURE, "F32"))
+    from kimi_mlx.convert.gguf.arch import build_config
+
+    c = build_config(kl)
+    assert c.model_type == "kimi_linear" and c.kda_layers == [0, 1, 3] and c.moe_renormalize
+    assert c.routed_scaling_factor == pytest.approx(2.446) and c.first_k_dense_replace == 1
+    c3 = build_config(GGUFFile(_file(K3_FIXTURE, "F32")))
+    assert c3.is_k3 and c3.kda_gate_lower_bound == -5.0 and c3.attn_res_block_size == 2
+    assert c3.routed_expert_hidden_size == 128 and c3.latent_moe_use_norm and c3.mla_use_output_gate
+    assert c3.q_lora_rank == 64 and c3.situ_beta == 1.5 and c3.situ_linear_beta == 2.5 and c3.num_shared_experts == 2
+
+
+# ------------------------------------------------------------------------------------------ malformed files
+
+
+def _rewrite(src: Path, dst: Path, *, drop=(), replace=None, extra=None, meta=None, split_max_tensors=0):
+    """Copy an F32 GGUF through gguf-py's writer with tensors dropped/replaced/added and metadata overridden."""
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch, split_max_tensors=split_max_tensors)
+    meta = meta or {}
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if key in meta:
+            value, vtype, sub = meta[key]
+            if value is not None:
+                w.add_key_value(key, value, vtype, sub)
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), vtype, sub)
+    for t in r.tensors:
+        if t.name in drop:
+            continue
+        data = (replace or {}).get(t.name)
+        if data is None:
+            data = np.array(t.data).reshape(tuple(int(x) for x in reversed(t.shape)))
+        w.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32))
+    for name, data in (extra or {}).items():
+        w.add_tensor(name, data.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def _error(path) -> str:
+    with pytest.raises(GGUFFormatError) as e:
+        load_gguf_model(path)
+    return str(e.value)
+
+
+def test_truncated_file(tmp_path):
+    """A GGUF cut short (inside the tensor data, and inside the header) is rejected, naming the file."""
+    data = _file(KL_FIXTURE, "F32").read_bytes()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[: len(data) - 1000])
+    msg = _error(p)
+    assert str(p) in msg and ("outside the file" in msg or "not a readable GGUF" in msg)
+    p.write_bytes(data[:200])
+    assert str(p) in _error(p)
+
+
+def test_wrong_magic(tmp_path):
+    """A file that does not start with 'GGUF' is rejected as not a readable GGUF file."""
+    data = _file(KL_FIXTURE, "F32").read_bytes()
+    p = tmp_path / "magic.gguf"
+    p.write_bytes(b"GGML" + data[4:])
+    msg = _error(p)
+    assert str(p) in msg and "not a readable GGUF" in msg
+
+
+def test_missing_tensor(tmp_path):
+    """A GGUF without blk.2.attn_k_b.weight names the parameter it would have filled."""
+    p = _rewrite(_file(KL_FIXTURE, "F32"), tmp_path / "m.gguf", drop={"blk.2.attn_k_b.weight"})
+    msg = _error(p)
+    assert "missing tensors" in msg and "model.layers.2.self_attn.embed_q.weight" in msg
+
+
+def test_wrong_shape(tmp_path):
+    """A tensor with the wrong shape is named with what was found and what was expected."""
+    p = _rewrite(_file(K3_FIXTURE, "F32"), tmp_path / "s.gguf",
+                 replace={"blk.0.ssm_f_a.weight": np.zeros((32, 256), np.float32)})
+    msg = _error(p)
+    assert "blk.0.ssm_f_a.weight" in msg and "(32, 256)" in msg and "(64, 256)" in msg
+
+
+def test_unknown_extra_tensor(tmp_path):
+    """An extra tensor the architecture has no place for (and a KL-only tensor in a K3 file) is named."""
+    p = _rewrite(_file(KL_FIXTURE, "F32"), tmp_path / "x.gguf", extra={"blk.0.mystery.weight": np.zeros(4)})
+    assert "unknown tensors: blk.0.mystery.weight" in _error(p)
+    p = _rewrite(_file(K3_FIXTURE, "F32"), tmp_path / "y.gguf", extra={"blk.0.ssm_g_a.weight": np.zeros((64, 256))})
+    assert "blk.0.ssm_g_a.weight" in _error(p)
+
+
+V = gguf.GGUFValueType
+
+
+@pytest.mark.parametrize(
+    "key,value,vtype,sub,expect",
+    [
+        ("kimi-linear.expert_used_count", 5, V.UINT32, None, "1..expert_count (4)"),
+        ("kimi-linear.attention.head_count_kv", [0, 1, 0], V.ARRAY, V.INT32, "length 4"),
+        ("kimi-linear.block_count", 0, V.UINT32, None, "an integer >= 1"),
+        ("kimi-linear.kda.head_dim", None, None, None, "'kimi-linear.kda.head_dim' is None"),
+        ("kimi-linear.attention.layer_norm_rms_epsilon", 7, V.UINT32, None, "FLOAT32"),
+        ("kimi-linear.expert_gating_func", 1, V.UINT32, None, "2 (sigmoid)"),
+        ("tokenizer.ggml.pre", "llama3", V.STRING, None, "kimi-k2"),
+    ],
+)
+def test_inconsistent_metadata(tmp_path, key, value, vtype, sub, expect):
+    """Bad or missing metadata (top-k > experts, per-layer array of the wrong length, zero layers, missing key,
+    wrong value type, non-sigmoid router, foreign pre-tokenizer) is rejected naming the key, before any weight."""
+    p = _rewrite(_file(KL_FIXTURE, "F32"), tmp_path / "meta.gguf", meta={key: (value, vtype, sub)})
+    with pytest.raises(GGUFFormatError) as e:
+        g = GGUFFile(p)
+        load_gguf_model(p)
+        load_gguf_tokenizer(g)
+    assert key in str(e.value) and expect in str(e.value)
+
+
+def test_split_gguf_set(tmp_path):
+    """A split set (-00001-of-0000N.gguf) loads from its first shard with the same logits; a missing shard is named."""
+    import kimi_mlx
+
+    _rewrite(_file(K3_FIXTURE, "F32"), tmp_path / "k3.gguf", split_max_tensors=40)
+    shards = sorted(tmp_path.glob("k3-*-of-*.gguf"))
+    assert len(shards) == 3
+    model, _ = kimi_mlx.load(str(shards[0]))
+    ref = np.load(K3_FIXTURE / "kimi-k3-tiny-F32.logits.npy")
+    assert np.abs(_logits(model, _manifest(K3_FIXTURE)["token_ids"]) - ref).max() < 3e-4
+    shards[-1].unlink()
+    assert "missing shard" in _error(shards[0])
+
+
+def test_dtype_is_respected():
+    """``dtype`` casts float weights (A_log, dt_bias, conv and router bias stay float32); Q8_0 scales stay float32."""
+    import kimi_mlx
+
+    model, _ = kimi_mlx.load(str(_file(K3_FIXTURE, "F16")), dtype=mx.bfloat16)
+    layer = model.language_model.model.layers[0]
+    assert layer.self_attn.q_proj.weight.dtype == mx.bfloat16
+    assert layer.input_layernorm.weight.dtype == mx.bfloat16
+    assert layer.self_attn.A_log.dtype == mx.float32 and layer.self_attn.qkv_conv.weight.dtype == mx.float32
+    model, _ = kimi_mlx.load(str(_file(KL_FIXTURE, "Q8_0")), dtype=mx.bfloat16)
+    assert model.model.layers[0].self_attn.q_proj.scales.dtype == mx.float32
