@@ -61,6 +61,7 @@ class KimiConfig:
     moe_layer_freq: int = 1
     tie_word_embeddings: bool = False
     mla_kv_norm_eps: float = 1e-6
+    mla_q_norm_eps: float = 1e-6
     kda_l2_eps: float = 1e-6
     bos_token_id: Optional[int] = None
     eos_token_id: list[int] = field(default_factory=list)

@@ -16,6 +16,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .config import ConfigError, KimiConfig
+from .convert.gguf.arch import FLOAT_TYPES, build_config, decode_float, plan_tensors
+from .convert.gguf.quant import to_mlx
+from .convert.gguf.reader import GGUFFile, GGUFFormatError
+from .convert.gguf.tokenizer import load_gguf_tokenizer
 from .convert.hf import CheckpointError
 from .models.kimi_k3 import K3Model
 from .models.kimi_linear import Model
@@ -200,6 +204,68 @@ def load_model(
     return model, cfg
 
 
+def _cast(dtype: Optional[mx.Dtype], keep_float32, param: str, value: mx.array) -> mx.array:
+    """Cast a float tensor to ``dtype`` unless the model keeps that parameter in float32."""
+    if dtype is None or not mx.issubdtype(value.dtype, mx.floating):
+        return value
+    return value.astype(dtype) if keep_float32(param) or dtype == mx.float32 else value.astype(mx.float32)
+
+
+def load_gguf_model(
+    g: GGUFFile, dtype: Optional[mx.Dtype] = None, requantize: bool = False, keep_quantized: bool = True
+) -> tuple[Union[Model, K3Model], KimiConfig]:
+    """Build the model for an open GGUF (single file or split set) and load its weights.
+
+    Metadata, tensor names and shapes are all checked before any weight is decoded. Quantized GGUF tensors become
+    MLX quantized layers via ``quant.to_mlx`` (exact where the block format maps exactly); tensors whose module
+    stays float (routers, norms, convs, AttnRes scores) or all of them with ``keep_quantized=False`` are decoded.
+    """
+    cfg = build_config(g)
+    model = (K3Model if cfg.is_k3 else Model)(cfg)
+    expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    plan = plan_tensors(g, cfg, expected)
+    if dtype is None and mx.default_device() == mx.cpu:
+        dtype = mx.float32
+    keep = model.cast_predicate
+    quantizable = model.quant_predicate
+    modules = dict(tree_flatten(model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)))
+
+    def decode(info):
+        return decode_float(info, requantize)
+
+    weights: dict[str, mx.array] = {}
+    qspecs: dict[str, dict] = {}
+    for param, info in plan.direct.items():
+        path = param.rsplit(".", 1)[0]
+        module = modules.get(path)
+        if (
+            keep_quantized and info.type_name not in FLOAT_TYPES and param.endswith(".weight")
+            and module is not None and quantizable(path, module)
+        ):
+            layout = to_mlx(info.name, info.qtype, info.raw(), tuple(info.shape), requantize=requantize)
+            qspecs[path] = {"group_size": layout["group_size"], "bits": layout["bits"], "mode": layout["mode"]}
+            weights[param] = layout["weight"]
+            for extra in ("scales", "biases"):
+                if extra in layout:  # float32 scales/biases keep the exact types exact, whatever ``dtype``
+                    weights[f"{path}.{extra}"] = layout[extra]
+            continue
+        weights[param] = _cast(dtype, keep, param, mx.array(decode(info)))
+    for param, build in plan.built.items():
+        weights[param] = _cast(dtype, keep, param, mx.array(build(decode)))
+    for param, shape in plan.ones.items():
+        weights[param] = _cast(dtype, keep, param, mx.ones(shape))
+    if qspecs:
+        nn.quantize(model, class_predicate=lambda p, m: qspecs.get(p, False))
+    try:
+        check_weights(model, weights, g.source)
+    except CheckpointError as e:
+        raise GGUFFormatError(str(e)) from None
+    model.load_weights(list(weights.items()), strict=True)
+    model.eval()
+    mx.eval(model.parameters())
+    return model, cfg
+
+
 def _read_config(path: Path) -> dict:
     file = path / "config.json"
     try:
@@ -213,21 +279,18 @@ def _read_config(path: Path) -> dict:
     return raw
 
 
-def load(path_or_hf_id: Union[str, Path], dtype: Optional[mx.Dtype] = None, quantize=None):
+def load(path_or_hf_id: Union[str, Path], dtype: Optional[mx.Dtype] = None, quantize=None, requantize: bool = False):
     """``(model, tokenizer)`` like ``mlx_lm.load``.
 
     dtype: cast float weights (e.g. ``mx.float32``); router bias, A_log, dt_bias and conv weights stay float32.
         Default: as stored on the GPU, float32 on the CPU backend.
     quantize: None, bits (int), or ``{"bits", "group_size", "mode"}`` for on-load affine quantization.
+    requantize: GGUF only: allow the lossy requantization of codebook (IQ*) tensors (an error otherwise).
     """
     if str(path_or_hf_id).endswith(".gguf"):  # one GGUF, or any shard of a -0000k-of-0000N.gguf split set
-        from .convert.gguf.arch import load_gguf_model
-        from .convert.gguf.reader import GGUFFile
-        from .convert.gguf.tokenizer import load_gguf_tokenizer
-
         gguf_file = GGUFFile(Path(path_or_hf_id).expanduser())
         tokenizer = load_gguf_tokenizer(gguf_file)  # validates the tokenizer metadata before any weight is read
-        model, _, _ = load_gguf_model(gguf_file, dtype=dtype)
+        model, _ = load_gguf_model(gguf_file, dtype=dtype, requantize=requantize)
         if quantize is not None and quantize is not False:
             quantize_model(model, _quantization_spec(quantize))
         return model, tokenizer

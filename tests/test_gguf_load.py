@@ -8,9 +8,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import K3_FIXTURE, KL_FIXTURE
-from kimi_mlx.convert.gguf.arch import load_gguf_model
 from kimi_mlx.convert.gguf.reader import GGUFFile, GGUFFormatError
 from kimi_mlx.convert.gguf.tokenizer import load_gguf_tokenizer
+
+from kimi_mlx.loading import load_gguf_model
 
 gguf = pytest.importorskip("gguf")
 
@@ -49,9 +50,9 @@ def test_logits_match_llama_cpp(d, q):
 
 @pytest.mark.parametrize("d", [KL_FIXTURE, K3_FIXTURE], ids=["kimi_linear", "kimi_k3"])
 def test_dequantize_path_matches(d):
-    """``quantized="dequantize"`` (every tensor decoded to float) gives the same logits for the Q8_0 file."""
+    """``keep_quantized=False`` (every tensor decoded to float) gives the same logits for the Q8_0 file."""
     f = _file(d, "Q8_0")
-    model, _, _ = load_gguf_model(f, dtype=mx.float32, quantized="dequantize")
+    model, _ = load_gguf_model(GGUFFile(f), dtype=mx.float32, keep_quantized=False)
     ref = np.load(str(f)[:-5] + ".dequant_f32.logits.npy")
     assert np.abs(_logits(model, _manifest(d)["token_ids"]) - ref).max() < 3e-4
 
@@ -126,7 +127,7 @@ def _rewrite(src: Path, dst: Path, *, drop=(), replace=None, extra=None, meta=No
 
 def _error(path) -> str:
     with pytest.raises(GGUFFormatError) as e:
-        load_gguf_model(path)
+        load_gguf_model(GGUFFile(path))
     return str(e.value)
 
 
@@ -194,7 +195,7 @@ def test_inconsistent_metadata(tmp_path, key, value, vtype, sub, expect):
     p = _rewrite(_file(KL_FIXTURE, "F32"), tmp_path / "meta.gguf", meta={key: (value, vtype, sub)})
     with pytest.raises(GGUFFormatError) as e:
         g = GGUFFile(p)
-        load_gguf_model(p)
+        load_gguf_model(g)
         load_gguf_tokenizer(g)
     assert key in str(e.value) and expect in str(e.value)
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from kimi_mlx.config import KimiConfig
 
+from .quant import to_mlx
 from .reader import GGUFFile, GGUFFormatError, TensorInfo
 
 ARCHS = ("kimi-linear", "kimi-k3")
@@ -146,7 +147,7 @@ def build_config(g: GGUFFile) -> KimiConfig:
         use_grouped_topk=False, num_expert_group=1, topk_group=1, first_k_dense_replace=n_dense, moe_layer_freq=1,
         tie_word_embeddings="output.weight" not in names,
         # llama.cpp uses rms_norm_eps for every norm, and x / max(|x|, eps) for the KDA q/k L2 norm
-        mla_kv_norm_eps=eps, kda_l2_eps=eps * eps,
+        mla_kv_norm_eps=eps, mla_q_norm_eps=eps, kda_l2_eps=eps * eps,
         bos_token_id=bos, eos_token_id=[eos] if eos is not None else [],
     )
     if not k3:
@@ -329,118 +330,13 @@ def _res(plan: Plan, mix: str, info: TensorInfo, expected, src, used, unknown) -
 # ---------------------------------------------------------------------------------------------------- loading
 
 
-def _decode_float(info: TensorInfo) -> np.ndarray:
-    """F32/F16/BF16 tensor -> float32 numpy array in numpy shape; anything else dequantised by gguf-py."""
-    raw = info.raw()
-    t = info.type_name
-    if t == "F32":
-        a = raw.view(np.float32)
-    elif t == "F16":
-        a = raw.view(np.float16).astype(np.float32)
-    elif t == "BF16":
-        a = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    else:
-        from gguf.quants import dequantize
-
-        try:
-            a = dequantize(np.asarray(info._tensor.data), info.qtype)
-        except Exception as e:
-            raise GGUFFormatError(f"{info.file}: tensor '{info.name}' of type {t} cannot be dequantised ({e})") from None
-    return np.asarray(a, dtype=np.float32).reshape(info.shape)
-
-
-def _quant_module():
-    try:
-        from . import quant  # written separately; optional until it lands
-    except ImportError:
-        return None
-    return quant if hasattr(quant, "to_mlx") else None
-
-
-def load_gguf_model(path, dtype=None, quantized: str = "keep"):
-    """Build the model for a GGUF path (or split set, or an open ``GGUFFile``) and load its weights; returns
-    (model, cfg, gguf_file). Metadata, tensor names and shapes are all checked before any weight is decoded.
-
-    quantized: "keep" loads quantized GGUF tensors as MLX quantized layers via ``quant.to_mlx`` where the
-    target module can be quantized (falls back to float per tensor when it cannot); "dequantize" decodes every
-    tensor to float.
-    """
+def decode_float(info: TensorInfo, requantize: bool = False) -> np.ndarray:
+    """Any supported GGUF tensor -> float32 numpy array in numpy shape (exact for the exactly-mapped types)."""
     import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
 
-    from kimi_mlx.models.kimi_k3 import K3Model
-    from kimi_mlx.models.kimi_linear import Model
-
-    g = path if isinstance(path, GGUFFile) else GGUFFile(path)
-    cfg = build_config(g)
-    model = (K3Model if cfg.is_k3 else Model)(cfg)
-    # llama.cpp normalises the q-LoRA latent with rms_norm_eps (the HF module default is 1e-6)
-    for layer in model.layers:
-        if "q_a_layernorm" in layer.self_attn:
-            layer.self_attn.q_a_layernorm.eps = cfg.rms_norm_eps
-    expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
-    plan = plan_tensors(g, cfg, expected)
-
-    if dtype is None and mx.default_device() == mx.cpu:
-        dtype = mx.float32
-    keep = model.cast_predicate
-
-    def as_float(param: str, arr: np.ndarray):
-        a = mx.array(arr)
-        if dtype is not None and (keep(param) or dtype == mx.float32):
-            a = a.astype(dtype)
-        elif not keep(param):
-            a = a.astype(mx.float32)
-        return a
-
-    quant = _quant_module() if quantized == "keep" else None
-    modules = dict(tree_flatten(model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)))
-    weights: dict[str, mx.array] = {}
-    qspecs: dict[str, dict] = {}
-    for param, info in plan.direct.items():
-        if info.type_name in FLOAT_TYPES or quant is None:
-            weights[param] = as_float(param, _decode_float(info))
-            continue
-        mod_path = param.rsplit(".", 1)[0]
-        module = modules.get(mod_path)
-        can = (param.endswith(".weight") and module is not None and hasattr(module, "to_quantized")
-               and not mod_path.endswith(("mlp.gate", "_res.norm", "_res.proj")))
-        layout = None
-        if can:
-            try:
-                layout = quant.to_mlx(info.name, info.qtype, info.raw(), tuple(info.shape))
-            except (NotImplementedError, ValueError):  # no exact MLX layout (e.g. IQ codebooks): decode to float
-                layout = None
-        if layout is None or "scales" not in layout:
-            w = layout["weight"] if layout is not None else None
-            weights[param] = as_float(param, np.asarray(w, dtype=np.float32) if w is not None else _decode_float(info))
-            continue
-        qspecs[mod_path] = {"group_size": int(layout["group_size"]), "bits": int(layout["bits"]),
-                            "mode": layout.get("mode", "affine")}
-        weights[param] = layout["weight"]
-        for extra in ("scales", "biases"):
-            a = layout.get(extra)
-            if a is None:
-                continue
-            # kept as quant.py returns them (float32: exact). Not cast to ``dtype``: in bfloat16 the affine bias
-            # (-128*d for Q8_0) loses up to half a quantisation step per weight (measured: logits off by 1.7 on the
-            # tiny fixture vs 0.05 for bf16 dequantised weights).
-            weights[f"{mod_path}.{extra}"] = a if isinstance(a, mx.array) else mx.array(np.asarray(a))
-    for param, build in plan.built.items():
-        weights[param] = as_float(param, build(_decode_float))
-    for param, shape in plan.ones.items():
-        weights[param] = as_float(param, np.ones(shape, np.float32))
-
-    if qspecs:
-        nn.quantize(model, class_predicate=lambda p, m: qspecs.get(p, False))
-    from kimi_mlx.loading import check_weights
-
-    try:
-        check_weights(model, weights, g.source)
-    except ValueError as e:
-        raise GGUFFormatError(str(e)) from None
-    model.load_weights(list(weights.items()), strict=True)
-    model.eval()
-    mx.eval(model.parameters())
-    return model, cfg, g
+    layout = to_mlx(info.name, info.qtype, info.raw(), tuple(info.shape), requantize=requantize)
+    w = layout["weight"]
+    if "scales" in layout:
+        w = mx.dequantize(w, layout["scales"], layout.get("biases"), group_size=layout["group_size"],
+                          bits=layout["bits"], mode=layout["mode"], dtype=mx.float32)
+    return np.array(w.astype(mx.float32)).reshape(info.shape)

@@ -4,7 +4,7 @@ Per head, q/k have ``qk_nope + qk_rope`` dims (the "rope" part is never rotated:
 softmax scale is ``(qk_nope + qk_rope) ** -0.5``. Only the normalised latent ``c_kv`` and the shared ``k_pe`` are
 cached. ``kv_b_proj`` is stored split (as mlx-lm does) into ``embed_q.weight: [H, r, qk_nope]`` (= W_kb^T) and
 ``unembed_out.weight: [H, v_head_dim, r]`` (= W_vb), so decode runs absorbed in latent space and prefill expands
-k/v per head. Kimi-K3 adds q-LoRA (``q_a_proj`` -> ``q_a_layernorm`` (eps 1e-6) -> ``q_b_proj``) and a sigmoid output
+k/v per head. Kimi-K3 adds q-LoRA (``q_a_proj`` -> ``q_a_layernorm`` (eps ``mla_q_norm_eps``, 1e-6) -> ``q_b_proj``) and a sigmoid output
 gate ``g_proj`` applied to the block input x, multiplied into the concatenated heads before ``o_proj``.
 """
 
@@ -32,7 +32,7 @@ class KimiMLA(nn.Module):
         q_dim = H * (self.nope + self.rope)
         if cfg.q_lora_rank:
             self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.mla_q_norm_eps)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_dim, bias=False)
         else:
             self.q_proj = nn.Linear(hidden, q_dim, bias=False)
