@@ -123,6 +123,7 @@ def build_config(g: GGUFFile) -> KimiConfig:
     if g.get_int(p + "expert_group_count", 0, required=False) > 1:
         g._fail(p + "expert_group_count", g.values[p + "expert_group_count"], "0 or 1 (grouped routing not supported)")
     names = g.tensors
+    _cross_check(g, p, n_layer, E, H, D, kv)
     tokens = g.values.get("tokenizer.ggml.tokens")
     V = len(tokens) if isinstance(tokens, list) else g.get_int(p + "vocab_size", None, required=False)
     if V is None:
@@ -175,6 +176,23 @@ def build_config(g: GGUFFile) -> KimiConfig:
     return KimiConfig(**kw)
 
 
+def _cross_check(g: GGUFFile, p: str, n_layer: int, E: int, H: int, D: int, kv: list) -> None:
+    """Metadata sizes against the tensor shapes, so a wrong key is named (not just the first mismatching tensor)."""
+    t = g.tensors.get("token_embd.weight")
+    if t is not None and t.shape[-1] != E:
+        g._fail(p + "embedding_length", E, f"{t.shape[-1]} (tensor '{t.name}' has ne {list(reversed(t.shape))})")
+    for i in range(n_layer):
+        if kv[i] != 0:
+            continue
+        t = g.tensors.get(f"blk.{i}.ssm_dt.bias")
+        if t is not None and int(np.prod(t.shape)) != H * D:
+            got = int(np.prod(t.shape))
+            exp = f"{got // H} (tensor '{t.name}' has {got} = head_count {H} x head_dim elements)" if got % H == 0 \
+                else f"head_count {H} x kda.head_dim == {got} (tensor '{t.name}')"
+            g._fail(p + "kda.head_dim", D, exp)
+        break
+
+
 def layer_prefix(cfg: KimiConfig) -> str:
     return "language_model." if cfg.is_k3 else ""
 
@@ -224,9 +242,13 @@ def plan_tensors(g: GGUFFile, cfg: KimiConfig, expected: dict[str, tuple]) -> Pl
         used.add(param)
 
     for name, info in g.tensors.items():
+        _check_type(info, src)
         if name == "token_embd.weight":
             put(pre + "model.embed_tokens.weight", info)
         elif name == "output_norm.weight":
+            if info.type_name not in FLOAT_TYPES:
+                raise GGUFFormatError(f"{src}: tensor '{name}' (a 1-D norm) has type {info.type_name}; "
+                                      f"expected one of {FLOAT_TYPES}")
             put(pre + "model.norm.weight", info)
         elif name == "output.weight":
             put(pre + "lm_head.weight", info)
@@ -253,7 +275,10 @@ def plan_tensors(g: GGUFFile, cfg: KimiConfig, expected: dict[str, tuple]) -> Pl
             if suffix not in table:
                 unknown.append(name)
                 continue
-            param, _kind = table[suffix]
+            param, kind = table[suffix]
+            if kind == "vec" and info.type_name not in FLOAT_TYPES:
+                raise GGUFFormatError(f"{src}: tensor '{name}' (a 1-D norm/bias) has type {info.type_name}; "
+                                      f"expected one of {FLOAT_TYPES}")
             if suffix == "ssm_a":
                 full = lp + param
                 if full not in expected:
@@ -316,11 +341,24 @@ def plan_tensors(g: GGUFFile, cfg: KimiConfig, expected: dict[str, tuple]) -> Pl
     return plan
 
 
+def _check_type(info: TensorInfo, source: str) -> None:
+    """The tensor's ggml type is one ``quant.to_mlx`` can convert (checked before any weight is read)."""
+    from .quant import CODEBOOK, SUPPORTED_EXACT, SUPPORTED_FLOAT, SUPPORTED_REQUANT
+
+    if info.qtype not in SUPPORTED_FLOAT + SUPPORTED_EXACT + SUPPORTED_REQUANT + CODEBOOK:
+        supported = ", ".join(t.name for t in SUPPORTED_FLOAT + SUPPORTED_EXACT + SUPPORTED_REQUANT + CODEBOOK)
+        raise GGUFFormatError(f"{source}: tensor '{info.name}' has ggml type {info.type_name}, which cannot be "
+                              f"loaded; expected one of {supported}")
+
+
 def _res(plan: Plan, mix: str, info: TensorInfo, expected, src, used, unknown) -> None:
     norm, proj = mix + ".norm.weight", mix + ".proj.weight"
     if norm not in expected:
         unknown.append(info.name)
         return
+    if info.type_name not in FLOAT_TYPES:
+        raise GGUFFormatError(f"{src}: tensor '{info.name}' (a 1-D score) has type {info.type_name}; "
+                              f"expected one of {FLOAT_TYPES}")
     _expect(info, expected[norm], src)
     plan.direct[norm] = info  # score = norm ⊙ proj[0]: norm := score, proj := ones
     plan.ones[proj] = tuple(expected[proj])
@@ -334,7 +372,12 @@ def decode_float(info: TensorInfo, requantize: bool = False) -> np.ndarray:
     """Any supported GGUF tensor -> float32 numpy array in numpy shape (exact for the exactly-mapped types)."""
     import mlx.core as mx
 
-    layout = to_mlx(info.name, info.qtype, info.raw(), tuple(info.shape), requantize=requantize)
+    from .quant import GGUFQuantError
+
+    try:
+        layout = to_mlx(info.name, info.qtype, info.raw(), tuple(info.shape), requantize=requantize)
+    except GGUFQuantError as e:
+        raise GGUFFormatError(f"{info.file}: {e}") from None
     w = layout["weight"]
     if "scales" in layout:
         w = mx.dequantize(w, layout["scales"], layout.get("biases"), group_size=layout["group_size"],

@@ -1,0 +1,181 @@
+"""``kimi-mlx convert``: GGUF / HF directory / HF repo id / demo -> an MLX model directory.
+
+The output (safetensors shards <= 5 GB + index, ``config.json``, tokenizer files) reloads with ``kimi_mlx.load`` to
+the same logits and token ids; Kimi Linear output is in mlx-lm's converted layout, so ``mlx_lm.load`` reads it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+DTYPE_NAMES = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}
+
+
+class ConvertError(ValueError):
+    """A bad source or destination for ``kimi-mlx convert``."""
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser(
+        "convert", help="convert a GGUF / HF checkpoint to an MLX model directory",
+        description="Convert a Kimi Linear / Kimi-K3 GGUF (or split set), HF directory, HF repo id or 'demo' into an "
+                    "MLX model directory (safetensors + config.json + tokenizer) that kimi_mlx.load and mlx_lm.load "
+                    "read.",
+    )
+    p.add_argument("--model", required=True, metavar="SRC",
+                   help="GGUF file (any shard of a split set), model directory, HF repo id, or 'demo'")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (must be absent or empty)")
+    p.add_argument("--quantize", type=int, default=None, metavar="BITS",
+                   help="quantize before writing (affine; 2, 3, 4, 5, 6 or 8 bits); routers and norms stay float")
+    p.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128))
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="cast float weights (default: the source's main float type; A_log, dt_bias, convs and the "
+                        "router bias stay float32)")
+    p.add_argument("--requantize", action="store_true",
+                   help="GGUF: allow the lossy requantization of codebook (IQ*) tensors")
+    p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help=argparse.SUPPRESS)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(run=run)
+
+
+def quantization_entry(model) -> dict | None:
+    """mlx-lm's ``quantization`` dict for the quantized modules of ``model``: the most common
+    (group_size, bits, mode) as the default, every module that differs as a per-path override."""
+    specs = {}
+    for path, module in model.named_modules():
+        if hasattr(module, "scales") and hasattr(module, "bits") and hasattr(module, "group_size"):
+            specs[path] = (module.group_size, module.bits, getattr(module, "mode", "affine"))
+    if not specs:
+        return None
+    default = Counter(specs.values()).most_common(1)[0][0]
+    entry: dict = {"group_size": default[0], "bits": default[1], "mode": default[2]}
+    for path, spec in sorted(specs.items()):
+        if spec != default:
+            entry[path] = {"group_size": spec[0], "bits": spec[1], "mode": spec[2]}
+    return entry
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ConvertError(f"--out {out}: directory exists and is not empty (pass --force to write into it)")
+
+
+def _load_source(args, dtype):
+    """(model, cfg, source config.json dict or None, tokenizer files, the source's main float dtype or None)."""
+    from ..convert.writer import TOKENIZER_FILES, tiktoken_file_text, tokenizer_config
+    from ..loading import (
+        ModelNotFoundError,
+        load_gguf_model,
+        load_model,
+        resolve_model_path,
+    )
+
+    src = args.model
+    if str(src).endswith(".gguf"):
+        from ..convert.gguf.reader import GGUFFile
+        from ..convert.gguf.tokenizer import load_gguf_tokenizer
+
+        path = Path(src).expanduser()
+        if not path.is_file():
+            raise ConvertError(f"--model {src}: no such GGUF file")
+        g = GGUFFile(path)
+        sizes = Counter()
+        for info in g.tensors.values():
+            sizes[info.type_name] += int(np.prod(info.shape))
+        stored = {"F16": mx.float16, "BF16": mx.bfloat16, "F32": mx.float32}.get(sizes.most_common(1)[0][0])
+        wrapper = load_gguf_tokenizer(g)
+        tok = wrapper._tokenizer
+        model, cfg = load_gguf_model(g, dtype=dtype, requantize=args.requantize)
+        ranks = {tok.token_bytes(i): i for i in range(tok.n_ranks)}
+        files = {
+            "tiktoken.model": tiktoken_file_text(ranks),
+            "tokenizer_config.json": json.dumps(tokenizer_config(
+                tok.special_tokens, tok._special_flagged, bos=tok.bos_token, eos=tok.eos_token, pad=tok.pad_token,
+                unk=tok.unk_token, chat_template=tok.chat_template), indent=2, ensure_ascii=False) + "\n",
+            "generation_config.json": json.dumps(
+                {"bos_token_id": cfg.bos_token_id, "eos_token_id": sorted(wrapper.eos_token_ids)}, indent=2) + "\n",
+        }
+        return model, cfg, None, files, stored
+    try:
+        path = resolve_model_path(src)
+    except ModelNotFoundError as e:
+        raise ConvertError(f"--model: {e}") from None
+    if not (path / "config.json").exists():
+        raise ConvertError(f"--model {src}: {path} has no config.json (expected an HF model directory or a .gguf)")
+    from ..loading import load_weights
+
+    sizes = Counter()
+    for v in load_weights(path).values():  # memory-mapped: only the dtypes are read here
+        if mx.issubdtype(v.dtype, mx.floating):
+            sizes[v.dtype] += v.size
+    stored = sizes.most_common(1)[0][0] if sizes else None
+    model, cfg = load_model(path, dtype=dtype)
+    base = json.loads((path / "config.json").read_text())
+    files = {name: path / name for name in TOKENIZER_FILES if (path / name).is_file()}
+    return model, cfg, base, files, stored
+
+
+def shrink_to(model, dtype) -> None:
+    """Cast float parameters back to ``dtype`` where that is exact (the loader's CPU default upcasts bf16/f16 to
+    float32): the source's main float type is kept without losing a bit. Parameters the model keeps in float32
+    (A_log, dt_bias, convs, router bias) and quantization scales/biases are left alone."""
+    keep = model.cast_predicate
+    new = []
+    for key, v in tree_flatten(model.parameters()):
+        if (not mx.issubdtype(v.dtype, mx.floating) or v.dtype == dtype or not keep(key)
+                or key.endswith((".scales", ".biases"))):
+            continue
+        small = v.astype(dtype)
+        if mx.array_equal(small.astype(v.dtype), v).item():
+            new.append((key, small))
+    if new:
+        model.load_weights(new, strict=False)
+
+
+def convert(args: argparse.Namespace) -> Path:
+    from ..convert.writer import hf_config, to_mlx_lm_layout, write_model_dir
+    from ..loading import _quantization_spec, quantize_model
+
+    out = Path(args.out).expanduser()
+    _check_out(out, args.force)
+    spec = None
+    if args.quantize is not None:
+        spec = _quantization_spec({"bits": args.quantize, "group_size": args.q_group_size})
+    dtype = DTYPES.get(args.dtype)
+    model, cfg, base, files, stored = _load_source(args, dtype)
+    if dtype is None and stored is not None:
+        shrink_to(model, stored)
+    if spec is not None:
+        quantize_model(model, spec)
+        mx.eval(model.parameters())
+    params = dict(tree_flatten(model.parameters()))
+    floats = Counter(v.dtype for v in params.values() if mx.issubdtype(v.dtype, mx.floating))
+    torch_dtype = DTYPE_NAMES.get(floats.most_common(1)[0][0]) if floats else None
+    weights, quantization = to_mlx_lm_layout(params, cfg, quantization_entry(model))
+    config = hf_config(cfg, quantization=quantization, base=base, torch_dtype=torch_dtype)
+    write_model_dir(out, weights, config, files, max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
+                    progress=not args.quiet)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        out = convert(args)
+    except (OSError, ValueError) as e:
+        print(f"kimi-mlx: error: {e}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
