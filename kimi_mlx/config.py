@@ -231,6 +231,13 @@ class KimiConfig:
             latent_moe_use_norm=bool(raw.get("latent_moe_use_norm", False)) and latent is not None,
             attn_res_block_size=block,
         )
+        # Optional norm eps overrides, written by `kimi-mlx convert` for GGUF sources (llama.cpp's conventions).
+        for name in ("mla_kv_norm_eps", "mla_q_norm_eps", "kda_l2_eps"):
+            if raw.get(name) is not None:
+                value = need(name, float)
+                if not value > 0:
+                    _fail(source, key(name), value, "a positive number")
+                setattr(cfg, name, value)
         if n_experts:
             positive("moe_intermediate_size", cfg.moe_intermediate_size)
             k = cfg.num_experts_per_token
