@@ -443,11 +443,10 @@ def test_requantized_float16_scales():
 def test_llamacpp_fixture_files(fname):
     """Every tensor of the llama.cpp-made fixture GGUFs (Q8_0/F16/F32, incl. stacked experts and
     trailing-1 shapes), read with GGUFReader and shape = reversed ne, converts bit-exactly."""
-    from pathlib import Path
+    from conftest import FIXTURES
 
-    path = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "llamacpp" / fname
-    if not path.exists():
-        pytest.skip(f"fixture {path} missing")
+    path = FIXTURES / fname
+    assert path.exists(), f"reference fixture missing: {path}"
     reader = gguf.GGUFReader(path)
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
