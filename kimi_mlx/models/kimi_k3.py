@@ -112,8 +112,8 @@ class K3Model(nn.Module):
     def layers(self):
         return self.language_model.layers
 
-    def make_cache(self, left_padding: Optional[list[int]] = None):
-        return self.language_model.make_cache(left_padding)
+    def make_cache(self, left_padding: Optional[list[int]] = None, max_checkpoints: int = 8):
+        return self.language_model.make_cache(left_padding, max_checkpoints)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Official K3 layout (``language_model.`` prefix, or none) -> this model's parameters; vision/MTP dropped."""

@@ -100,9 +100,10 @@ class Model(nn.Module):
     def layers(self):
         return self.model.layers
 
-    def make_cache(self, left_padding: Optional[list[int]] = None):
-        """Per-layer caches (KDA or MLA latent); ``left_padding`` for a ragged, left-padded batch."""
-        return make_cache([layer.is_linear for layer in self.layers], left_padding)
+    def make_cache(self, left_padding: Optional[list[int]] = None, max_checkpoints: int = 8):
+        """A ``HybridCache`` of per-layer caches (KDA or MLA latent) keeping up to ``max_checkpoints`` checkpoints;
+        ``left_padding`` for a ragged, left-padded batch."""
+        return make_cache([layer.is_linear for layer in self.layers], left_padding, max_checkpoints)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Map Moonshot's original or mlx-lm's key layout to this model's parameters."""
