@@ -81,9 +81,7 @@ class KernelFile:
 def _tag(lines: list[str], tag: str, path: str) -> tuple[str, ...]:
     found = [ln.split(tag, 1)[1].split() for ln in lines if ln.startswith(f"// {tag}")]
     if len(found) != 1 or not found[0]:
-        raise ValueError(
-            f"{path}: expected exactly one '// {tag} name ...' line in the comment header"
-        )
+        raise ValueError(f"{path}: expected exactly one '// {tag} name ...' line in the comment header")
     return tuple(found[0])
 
 
@@ -105,15 +103,11 @@ def load_kernel_file(name: str) -> KernelFile:
     body_at = [i for i, ln in enumerate(rest) if ln.strip() == _BODY_TAG]
     if len(body_at) > 1:
         raise ValueError(f"{path}: more than one '{_BODY_TAG}' line")
-    header, body = (
-        ("", rest) if not body_at else (rest[: body_at[0]], rest[body_at[0] + 1 :])
-    )
+    header, body = ("", rest) if not body_at else (rest[: body_at[0]], rest[body_at[0] + 1 :])
     source = "\n".join(body).strip("\n")
     if not source:
         raise ValueError(f"{path}: empty kernel body")
-    return KernelFile(
-        name, inputs, outputs, "\n".join(header).strip("\n"), source + "\n"
-    )
+    return KernelFile(name, inputs, outputs, "\n".join(header).strip("\n"), source + "\n")
 
 
 _files: dict[str, KernelFile] = {}
@@ -145,9 +139,7 @@ def kernel(name: str) -> Callable | None:
     """The built kernel for a registered ``name`` (a callable like ``mx.fast.metal_kernel``'s), or None when kernels
     are not ``enabled()``."""
     if name not in _files:
-        raise KeyError(
-            f"Metal kernel {name!r} is not registered (call kimi_mlx.metal.register({name!r}) first)"
-        )
+        raise KeyError(f"Metal kernel {name!r} is not registered (call kimi_mlx.metal.register({name!r}) first)")
     if not enabled():
         return None
     factory = _override[-1] if _override else mx.fast.metal_kernel

@@ -124,9 +124,7 @@ def _ulp(x: np.ndarray, dtype: mx.Dtype) -> np.ndarray:
     if dtype == mx.float16:
         return np.spacing(x32.astype(np.float16)).astype(np.float64)
     if dtype == mx.bfloat16:
-        return (
-            np.spacing(x32).astype(np.float64) * 2.0**16
-        )  # 8 significant bits vs float32's 24
+        return np.spacing(x32).astype(np.float64) * 2.0**16  # 8 significant bits vs float32's 24
     raise ValueError(f"no ulp rule for {dtype}")
 
 
@@ -152,11 +150,7 @@ def assert_matches(got: mx.array, ref: mx.array, what: str = "output") -> dict:
     """float32: max |got - ref| <= 1e-5 max |ref|; float16/bfloat16: within 2 ulp of the output dtype."""
     e = mismatch(got, ref)
     if got.dtype == mx.float32:
-        assert e["rel"] <= 1e-5, (
-            f"{what}: float32 relative error {e['rel']:.3g} > 1e-5 ({e})"
-        )
+        assert e["rel"] <= 1e-5, f"{what}: float32 relative error {e['rel']:.3g} > 1e-5 ({e})"
     else:
-        assert e["ulps"] <= 2, (
-            f"{what}: {got.dtype} error {e['ulps']:.3g} ulp > 2 ({e})"
-        )
+        assert e["ulps"] <= 2, f"{what}: {got.dtype} error {e['ulps']:.3g} ulp > 2 ({e})"
     return e

@@ -15,7 +15,9 @@ import mlx.nn as nn
 
 from ..cache import KDACache
 from ..config import KimiConfig
-from ..ops.kda import kda_forward
+from ..ops.kda import kda_decay, kda_gated, l2_normalize
+
+__all__ = ["KimiDeltaAttention", "kda_decay", "l2_normalize", "short_conv"]
 
 
 @mx.compile  # fuses the K shifted multiply-adds: ~2x faster prefill conv on the CPU backend
@@ -33,12 +35,6 @@ def short_conv(x: mx.array, weight: mx.array, state: mx.array) -> tuple[mx.array
     for i in range(K - 1):
         y = y + u[:, i : i + T].astype(mx.float32) * w[:, i]
     return nn.silu(y).astype(x.dtype), u[:, T:]
-
-
-def l2_normalize(x: mx.array, eps: float) -> mx.array:
-    """x / sqrt(sum(x^2) + eps) over the last axis, in float32 (fla's eps-inside-sqrt convention)."""
-    x = x.astype(mx.float32)
-    return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -108,21 +104,6 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(o.astype(x.dtype))
 
 
-def kda_decay(f: mx.array, A_log: mx.array, dt_bias: mx.array, lower_bound: Optional[float]) -> mx.array:
-    """Per-channel log-decay from the raw f_b(f_a(x)) projection f: [B, T, H, D] -> [B, T, H, D] float32.
-
-    Kimi Linear: g = -exp(A_log[h]) * softplus(f + dt_bias).
-    K3 (``lower_bound`` lb < 0): g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias)) (replaces softplus; not a clamp).
-    A_log: [H]; dt_bias: [H*D].
-    """
-    H, D = f.shape[-2:]
-    z = f.astype(mx.float32) + dt_bias.astype(mx.float32).reshape(H, D)
-    rate = mx.exp(A_log.astype(mx.float32))[:, None]
-    if lower_bound is None:
-        return -rate * nn.softplus(z)
-    return lower_bound * mx.sigmoid(rate * z)
-
-
 def _kda_core(
     qkv, conv_state, state, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, mask, H, l2_eps, norm_eps,
     lower_bound,
@@ -137,11 +118,10 @@ def _kda_core(
     qkv, conv_state = short_conv(qkv, conv_weight, conv_state)
     q, k, v = (t.reshape(B, T, H, -1) for t in mx.split(qkv, 3, axis=-1))
     D = q.shape[-1]
-    q = l2_normalize(q, l2_eps) * (D**-0.5)
-    k = l2_normalize(k, l2_eps)
-    g = kda_decay(f.reshape(B, T, H, D), A_log, dt_bias, lower_bound)
-    beta = mx.sigmoid(b.astype(mx.float32))
-    o, state = kda_forward(q, k, v, g, beta, state=state, mask=mask)
+    o, state = kda_gated(
+        q, k, v, f.reshape(B, T, H, D), b, A_log, dt_bias, lower_bound=lower_bound, l2_eps=l2_eps, state=state,
+        mask=mask,
+    )
     gate = mx.sigmoid(gate.astype(mx.float32)).reshape(B, T, H, D)
     o = mx.fast.rms_norm(o.astype(mx.float32), norm_weight.astype(mx.float32), norm_eps) * gate
     return o.reshape(B, T, H * D), conv_state, state

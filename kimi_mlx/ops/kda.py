@@ -49,11 +49,24 @@ runs in groups of chunks and is recomputed (``mx.checkpoint``) in the backward p
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
+from mlx import nn
 
-__all__ = ["kda_recurrent", "kda_chunked", "kda_forward", "RECURRENT_MAX_T", "SHORT_CHUNK_T", "DEFAULT_CHUNK_SIZE"]
+from .. import metal
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "RECURRENT_KERNEL_MAX_T",
+    "RECURRENT_MAX_T",
+    "SHORT_CHUNK_T",
+    "kda_chunked",
+    "kda_decay",
+    "kda_forward",
+    "kda_gated",
+    "kda_recurrent",
+    "kda_recurrent_metal",
+    "l2_normalize",
+]  # fmt: skip
 
 # Chosen by measurement on the CPU backend (bench/bench_kda.py, B=1, H=32, Dk=Dv=128, 2-core x86, MLX 0.32.4):
 # recurrent ~1.2 ms/token; chunked C=8 is already faster from T ~ 4 (less padding waste for short inputs),
@@ -129,8 +142,8 @@ def kda_recurrent(
     v: mx.array,
     g: mx.array,
     beta: mx.array,
-    state: Optional[mx.array] = None,
-    mask: Optional[mx.array] = None,
+    state: mx.array | None = None,
+    mask: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Token-by-token KDA scan (reference semantics of fla's ``naive_recurrent_kda``; best for decode / tiny T).
 
@@ -258,8 +271,8 @@ def kda_chunked(
     v: mx.array,
     g: mx.array,
     beta: mx.array,
-    state: Optional[mx.array] = None,
-    mask: Optional[mx.array] = None,
+    state: mx.array | None = None,
+    mask: mx.array | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[mx.array, mx.array]:
     """Chunked (WY/UT) KDA: matmuls inside chunks, sequential only across chunks. Same semantics as ``kda_recurrent``.
@@ -340,8 +353,8 @@ def kda_forward(
     v: mx.array,
     g: mx.array,
     beta: mx.array,
-    state: Optional[mx.array] = None,
-    mask: Optional[mx.array] = None,
+    state: mx.array | None = None,
+    mask: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """KDA scan entry point used by the model: recurrent for ``T <= RECURRENT_MAX_T`` (decode), chunked otherwise
     (chunk size 8 below ``SHORT_CHUNK_T`` tokens, ``DEFAULT_CHUNK_SIZE`` above).
@@ -356,3 +369,150 @@ def kda_forward(
         return kda_recurrent(q, k, v, g, beta, state=state, mask=mask)
     chunk_size = 8 if T < SHORT_CHUNK_T else DEFAULT_CHUNK_SIZE
     return kda_chunked(q, k, v, g, beta, state=state, mask=mask, chunk_size=chunk_size)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Gated entry point: raw projections in, decode prologue (normalisation, gates) fused into the Metal kernel
+
+
+# On a Metal GPU, kda_gated runs the fused recurrent kernel up to this many tokens (one launch, T sequential steps
+# inside); longer inputs take kda_forward. Not tuned on hardware yet: bench/kernels.py times both sides.
+RECURRENT_KERNEL_MAX_T = 64
+
+metal.register("kda_recurrent")
+
+
+def l2_normalize(x: mx.array, eps: float) -> mx.array:
+    """x / sqrt(sum(x^2) + eps) over the last axis, in float32 (fla's eps-inside-sqrt convention)."""
+    x = x.astype(mx.float32)
+    return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+
+
+def kda_decay(f: mx.array, A_log: mx.array, dt_bias: mx.array, lower_bound: float | None) -> mx.array:
+    """Per-channel log-decay from the raw f_b(f_a(x)) projection f: [B, T, H, D] -> [B, T, H, D] float32.
+
+    Kimi Linear: g = -exp(A_log[h]) * softplus(f + dt_bias).
+    K3 (``lower_bound`` lb < 0): g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias)) (replaces softplus; not a clamp).
+    A_log: [H]; dt_bias: [H*D].
+    """
+    H, D = f.shape[-2:]
+    z = f.astype(mx.float32) + dt_bias.astype(mx.float32).reshape(H, D)
+    rate = mx.exp(A_log.astype(mx.float32))[:, None]
+    if lower_bound is None:
+        return -rate * nn.softplus(z)
+    return lower_bound * mx.sigmoid(rate * z)
+
+
+def _check_gated(q, k, v, f, b, A_log, dt_bias, state, mask):
+    """Shape checks shared by both paths of kda_gated (errors name the argument and the expected shape)."""
+    if q.ndim != 4:
+        raise ValueError(f"kda_gated: q must be [B, T, H, Dk], got shape {q.shape}")
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    expected = {
+        "k": (k, (B, T, H, Dk)), "v": (v, (B, T, H, Dv)), "f": (f, (B, T, H, Dk)), "b": (b, (B, T, H)),
+        "A_log": (A_log, (H,)), "dt_bias": (dt_bias, (H * Dk,)),
+    }  # fmt: skip
+    if state is not None:
+        expected["state"] = (state, (B, H, Dv, Dk))
+    if mask is not None:
+        expected["mask"] = (mask, (B, T))
+    for name, (x, shape) in expected.items():
+        if tuple(x.shape) != shape:
+            raise ValueError(f"kda_gated: {name} has shape {tuple(x.shape)}, expected {shape}")
+
+
+def kda_gated(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    f: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    *,
+    lower_bound: float | None,
+    l2_eps: float,
+    state: mx.array | None = None,
+    mask: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """KDA from the raw projections: normalise q/k, compute the gates, run the scan. The model's one entry point.
+
+    Args:
+        q, k: ``[B, T, H, Dk]`` raw (post short-conv), not normalised; v: ``[B, T, H, Dv]``. Any float dtype.
+        f: ``[B, T, H, Dk]`` raw decay projection; b: ``[B, T, H]`` beta logits.
+        A_log: ``[H]``; dt_bias: ``[H * Dk]``; lower_bound: None (softplus gate) or K3's lb < 0 (see ``kda_decay``).
+        l2_eps: eps inside the sqrt of the q/k L2 norm; q is then scaled by ``Dk**-0.5``.
+        state: ``[B, H, Dv, Dk]`` float32 or None (zeros); mask: ``[B, T]`` bool (True = real token) or None.
+
+    Returns:
+        ``(o [B, T, H, Dv] in v.dtype, final state [B, H, Dv, Dk] float32)``.
+
+    On a Metal GPU (``kimi_mlx.metal.enabled()``), ``T <= RECURRENT_KERNEL_MAX_T`` and Dk, Dv multiples of 32, this
+    is one launch of ``kda_recurrent_metal``; otherwise the pure-MLX prologue and ``kda_forward``.
+    """
+    _check_gated(q, k, v, f, b, A_log, dt_bias, state, mask)
+    T, Dk, Dv = q.shape[1], q.shape[-1], v.shape[-1]
+    kern = metal.kernel("kda_recurrent")
+    if kern is not None and 0 < T <= RECURRENT_KERNEL_MAX_T and Dk % 32 == 0 and Dv % 32 == 0:
+        return kda_recurrent_metal(q, k, v, f, b, A_log, dt_bias, lower_bound=lower_bound, l2_eps=l2_eps,
+                                   state=state, mask=mask, kernel=kern)  # fmt: skip
+    qn = l2_normalize(q, l2_eps) * (Dk**-0.5)
+    kn = l2_normalize(k, l2_eps)
+    g = kda_decay(f, A_log, dt_bias, lower_bound)
+    beta = mx.sigmoid(b.astype(mx.float32))
+    return kda_forward(qn, kn, v, g, beta, state=state, mask=mask)
+
+
+def kda_recurrent_metal(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    f: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    *,
+    lower_bound: float | None,
+    l2_eps: float,
+    state: mx.array | None = None,
+    mask: mx.array | None = None,
+    kernel=None,
+    rows_per_group: int = 4,
+) -> tuple[mx.array, mx.array]:
+    """One launch of ``metal_kernels/kda_recurrent.metal``; same arguments and result as ``kda_gated``.
+
+    ``kernel`` defaults to ``kimi_mlx.metal.kernel("kda_recurrent")`` (an error if kernels are not enabled).
+    ``rows_per_group``: state rows (SIMD-groups) per threadgroup; the grid is ``(32, Dv, B*H)``.
+    Dk and Dv must be multiples of 32.
+    """
+    _check_gated(q, k, v, f, b, A_log, dt_bias, state, mask)
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    if Dk % 32 or Dv % 32:
+        raise ValueError(f"kda_recurrent Metal kernel: Dk and Dv must be multiples of 32, got Dk={Dk}, Dv={Dv}")
+    if kernel is None:
+        kernel = metal.kernel("kda_recurrent")
+        if kernel is None:
+            raise RuntimeError("kda_recurrent_metal: Metal kernels are not enabled (see kimi_mlx.metal.enabled)")
+    out_dtype = v.dtype
+    # q, k, v share one input type, f and b another; mixed inputs run in float32 (the pure path's precision).
+    if not q.dtype == k.dtype == v.dtype:
+        q, k, v = (x.astype(mx.float32) for x in (q, k, v))
+    if f.dtype != b.dtype:
+        f, b = f.astype(mx.float32), b.astype(mx.float32)
+    if state is None:
+        state = mx.zeros((B, H, Dv, Dk), dtype=mx.float32)
+    mask = mx.ones((B, T), dtype=mx.bool_) if mask is None else mask.astype(mx.bool_)
+    y, state_out = kernel(
+        inputs=[
+            q, k, v, f, b, A_log.astype(mx.float32), dt_bias.astype(mx.float32), state.astype(mx.float32), mask,
+            T, Dk**-0.5, float(l2_eps), 0.0 if lower_bound is None else float(lower_bound),
+        ],
+        template=[("InT", v.dtype), ("GT", f.dtype), ("Dk", Dk), ("Dv", Dv), ("LOWER_BOUND", lower_bound is not None)],
+        grid=(32, Dv, B * H),
+        threadgroup=(32, rows_per_group, 1),
+        output_shapes=[(B, T, H, Dv), (B, H, Dv, Dk)],
+        output_dtypes=[v.dtype, mx.float32],
+    )  # fmt: skip
+    return y.astype(out_dtype), state_out
