@@ -1,0 +1,147 @@
+"""The KDA chunked-prefill Metal kernel (``metal_kernels/kda_chunked_scan.metal`` via
+``kimi_mlx.ops.kda_chunked_metal``) against the pure-MLX chunked and recurrent paths.
+
+Runs the kernel on a Metal GPU when there is one, else in the CPU emulator (``tests/metal_support.py``). Every
+launch here uses the strict emulator checks (forward / reverse / random schedules, uninitialised threadgroup memory
+and locals) and must report no diagnostic. Shapes are tiny: each (dtype, chunk, Dk, Dv, H) is one emulator compile.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from metal_support import assert_matches, strict_kernels  # noqa: F401  (fixture)
+from test_kda_ops import make_inputs
+
+from kimi_mlx import metal
+from kimi_mlx.ops import kda as kda_mod
+from kimi_mlx.ops.kda import kda_chunked, kda_recurrent
+from kimi_mlx.ops.kda_chunked_metal import kda_chunked_metal
+
+
+def inputs(seed, B, T, H, Dk, Dv, dtype=mx.float32, extreme=False, pad=(0,)):
+    """(q, k, v, g, beta, state, mask) as mx arrays; q/k/v in ``dtype``; row b left-padded with ``pad[b]`` tokens."""
+    arrs, state = make_inputs(np.random.default_rng(seed), B, T, H, Dk, Dv, extreme=extreme)
+    q, k, v, g, beta = (mx.array(x) for x in arrs)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    mask = np.ones((B, T), bool)
+    for b, p in enumerate(pad):
+        mask[b, :p] = False
+    return q, k, v, g, beta, mx.array(state), mx.array(mask)
+
+
+def run_both(backend, args, chunk_size, threadgroup_cols=4):
+    """(kernel o, kernel state), (pure chunked o, state) with the same chunk size, (recurrent o, state)."""
+    with backend.active():
+        got = kda_chunked_metal(*args, chunk_size=chunk_size, threadgroup_cols=threadgroup_cols)
+        mx.eval(got)
+    with metal.disabled():
+        chunked = kda_chunked(*args, chunk_size=chunk_size)
+        recurrent = kda_recurrent(*args)
+        mx.eval(chunked, recurrent)
+    return got, chunked, recurrent
+
+
+def check(backend, got, chunked, recurrent, launches=1):
+    """Outputs and final state match both pure paths (fp32 1e-5 relative / half types 2 ulp); clean emulator run."""
+    o, S = got
+    assert o.dtype == chunked[0].dtype and S.dtype == mx.float32
+    assert np.isfinite(np.array(o.astype(mx.float32))).all() and np.isfinite(np.array(S)).all()
+    assert_matches(o, chunked[0], "output vs pure chunked")
+    assert_matches(S, chunked[1], "state vs pure chunked")
+    assert_matches(S, recurrent[1], "state vs recurrent")
+    if o.dtype == mx.float32:
+        assert_matches(o, recurrent[0], "output vs recurrent")
+    assert backend.launches == launches or backend.name == "gpu", backend.launches
+    backend.assert_clean()
+
+
+# (B, T, H, Dk, Dv, chunk, left pads per row, threadgroup columns): T not a multiple of the chunk, T < chunk,
+# ragged batches, Dk = Dv = 128, Dk != Dv, threadgroups that do not divide Dv.
+SHAPES = {
+    "ragged_T21_C8_tg3": (2, 21, 2, 64, 64, 8, (0, 5), 3),
+    "T5_lt_chunk": (1, 5, 2, 64, 64, 8, (0,), 4),
+    "ragged_T37_C16": (2, 37, 2, 64, 64, 16, (3, 11), 4),
+    "Dk128_Dv128_tg3": (1, 19, 1, 128, 128, 8, (0,), 3),
+    "Dk128_Dv96_tg5": (2, 13, 1, 128, 96, 8, (0, 6), 5),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_float32_matches_pure_paths(strict_kernels, name):  # noqa: F811
+    """float32: kernel = pure chunked path = recurrent path to 1e-5 (relative to max |ref|) on outputs and final
+    state, with an initial state and left-padding masks; masked positions output exactly 0."""
+    B, T, H, Dk, Dv, C, pad, tg = SHAPES[name]
+    args = inputs(1, B, T, H, Dk, Dv, pad=pad)
+    got, chunked, recurrent = run_both(strict_kernels, args, C, tg)
+    check(strict_kernels, got, chunked, recurrent)
+    o = np.array(got[0])
+    assert (o[~np.array(args[-1])] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_half_inputs_within_two_ulp(strict_kernels, dtype):  # noqa: F811
+    """bf16 / fp16 q, k, v (ragged batch, T not a multiple of the chunk): output in v's dtype within 2 ulp of the
+    pure chunked path, float32 state within 1e-5 of both pure paths."""
+    args = inputs(2, 2, 21, 2, 64, 64, dtype=dtype, pad=(0, 7))
+    got, chunked, recurrent = run_both(strict_kernels, args, 8, 3)
+    assert got[0].dtype == dtype
+    check(strict_kernels, got, chunked, recurrent)
+
+
+def test_fast_decaying_heads_stay_finite(strict_kernels):  # noqa: F811
+    """exp(A_log) up to 201 and steps at exactly g = -1000 (per-step decay exp(-1000) = 0), ragged batch: finite
+    and equal to both pure paths (the intra-chunk decays are products of exp(g <= 0), as in the pure path)."""
+    args = inputs(3, 2, 29, 2, 64, 64, extreme=True, pad=(0, 4))
+    got, chunked, recurrent = run_both(strict_kernels, args, 8, 4)
+    check(strict_kernels, got, chunked, recurrent)
+
+
+def test_state_carried_across_launches(strict_kernels, monkeypatch):  # noqa: F811
+    """With one chunk per group (kda.GROUP_ELEMS = 1) each chunk is its own launch; the state handed from launch to
+    launch gives the same result as the pure paths."""
+    monkeypatch.setattr(kda_mod, "GROUP_ELEMS", 1)
+    args = inputs(4, 2, 21, 2, 64, 64, pad=(0, 9))
+    got, chunked, recurrent = run_both(strict_kernels, args, 8, 4)
+    check(strict_kernels, got, chunked, recurrent, launches=3)
+
+
+def test_all_masked_and_empty(strict_kernels):  # noqa: F811
+    """An all-masked batch returns the initial state bit for bit and zero outputs; T = 0 launches nothing."""
+    q, k, v, g, beta, state, _ = inputs(5, 2, 11, 2, 64, 64)
+    with strict_kernels.active():
+        o, S = kda_chunked_metal(q, k, v, g, beta, state, mx.zeros((2, 11), dtype=mx.bool_), chunk_size=8)
+        o0, S0 = kda_chunked_metal(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0], state, chunk_size=8)
+        mx.eval(o, S, o0, S0)
+    assert (np.array(o) == 0).all() and np.array_equal(np.array(S), np.array(state))
+    assert o0.shape == (2, 0, 2, 64) and np.array_equal(np.array(S0), np.array(state))
+    strict_kernels.assert_clean()
+
+
+def test_disabled_falls_back_to_pure_path():
+    """Without enabled kernels (CPU default device here, or metal.disabled()) the op is the pure chunked path."""
+    args = inputs(6, 1, 12, 2, 32, 32)
+    with metal.disabled():
+        o, S = kda_chunked_metal(*args, chunk_size=8)
+        ro, rS = kda_chunked(*args, chunk_size=8)
+    assert np.array_equal(np.array(o), np.array(ro)) and np.array_equal(np.array(S), np.array(rS))
+
+
+@pytest.mark.parametrize(
+    "Dk, Dv, chunk, tg, dtype, match",
+    [
+        (48, 64, 8, 4, mx.float32, r"multiples of 32.*Dk=48"),
+        (64, 40, 8, 4, mx.float32, r"multiples of 32.*Dv=40"),
+        (64, 64, 12, 4, mx.float32, "chunk_size must be a power of two"),
+        (64, 64, 128, 4, mx.float32, "chunk_size must be a power of two <= 64"),
+        (64, 64, 8, 0, mx.float32, "threadgroup_cols"),
+        (64, 64, 8, 4, mx.int32, "v dtype"),
+    ],
+)
+def test_bad_input_errors(Dk, Dv, chunk, tg, dtype, match):
+    """Unsupported head dims, chunk sizes, threadgroup widths and dtypes are clear ValueErrors before any launch."""
+    q = mx.zeros((1, 9, 1, Dk))
+    v = mx.zeros((1, 9, 1, Dv), dtype=dtype)
+    with pytest.raises(ValueError, match=match):
+        kda_chunked_metal(q, q, v, q, mx.zeros((1, 9, 1)), chunk_size=chunk, threadgroup_cols=tg)
