@@ -1,14 +1,29 @@
-"""Kimi Linear chat format (Kimi-K2-Instruct style) rendered in Python.
+"""Chat formats of Kimi Linear and Kimi-K3, rendered in Python (no Jinja, no remote code).
 
-No Jinja: the official K2-Instruct template uses ``list.append``, which
-transformers 5's sandboxed Jinja rejects (spec §3.2), and a string template
-cannot keep user text apart from control tokens. Rendering here is
-**segment-aware**: the renderer produces ``(is_special, text)`` segments; the
-markers it emits (``<|im_user|>``, ``<|im_end|>``, ...) become control ids,
-while everything that came from messages/tools is encoded as plain text, so a
-user typing ``<|im_end|>`` cannot end a turn.
+Rendering is **segment-aware**: a renderer produces ``(is_special, text)``
+segments; the markers it writes (``<|im_end|>``, ``<|open|>``, ...) become
+control ids, while everything that came from messages/tools is encoded as
+plain text, so a user typing ``<|im_end|>`` or ``<|open|>`` cannot end a turn.
 
-Layout (spec §3.2)::
+Public API (the format is detected from the tokenizer, overridable):
+
+* :func:`detect_chat_format` ``(tokenizer) -> "kimi_linear" | "kimi_k3"``
+  (K3 by its XTML special tokens ``<|open|>``/``<|close|>``/``<|sep|>``/``<|end_of_msg|>``).
+* :func:`render_chat` ``(tokenizer, messages, *, tools, thinking, thinking_effort,
+  add_generation_prompt, chat_format, start, ...) -> list[int]``;
+  :func:`render_chat_text` (the same string for display/logs; never re-encode
+  it with special-token parsing); :func:`render_chat_segments`.
+* ``tokenizer.apply_chat_template`` routes here for both formats.
+
+Messages are OpenAI-style dicts: ``role`` (system/user/assistant/tool),
+``content`` (str, None or a list of ``{"type": "text", "text": ...}`` parts),
+optional ``name``; assistant messages may carry ``reasoning_content`` (K3; kept
+in history, as K3 requires) and ``tool_calls`` (``[{"id", "function": {"name",
+"arguments"}}]``, arguments a dict or a JSON string); tool results carry
+``tool_call_id`` (or ``name``/``tool``). :meth:`kimi_mlx.chat_parser.Reply.to_message`
+turns a parsed reply into such an assistant message.
+
+Kimi Linear (spec §3.2, K2-Instruct)::
 
     [<|im_system|>tool_declare<|im_middle|>{tools json}<|im_end|>]
     [<|im_system|>system<|im_middle|>{default system}<|im_end|>\\n]   # only if messages[0] is not system
@@ -19,34 +34,71 @@ Layout (spec §3.2)::
     <|im_system|>tool<|im_middle|>## Return of {tool_call_id}\\n{content}<|im_end|>
     [<|im_assistant|>assistant<|im_middle|>]                          # add_generation_prompt
 
-API: :func:`render_kimi_linear` (ids), :func:`render_kimi_linear_text`
-(display string), :func:`render_kimi_linear_segments` + :func:`encode_segments`
-(building blocks), :func:`default_system_from_template`.
+Kimi-K3 XTML (spec §3.3): see :mod:`kimi_mlx.chat_format_k3`. ``thinking``
+defaults to True (generation prompt ends inside ``<|open|>think<|sep|>``),
+``thinking_effort`` to ``"max"`` (low/high/max).
+
+Multi-turn chat with a kept model cache (how ``kimi-mlx chat`` calls this)
+--------------------------------------------------------------------------
+Both formats are **prefix-extending**: for a conversation ``msgs`` whose
+message ``k`` is the assistant reply generated after the prompt
+``render_chat(tok, msgs[:k])``::
+
+    render_chat(tok, msgs)                      # full render, generation prompt at the end
+      == render_chat(tok, msgs[:k])             # the previous prompt (incl. its generation prompt)
+         + reply_ids                            # what the model generated, incl. its stop token
+         + render_chat(tok, msgs, start=k + 1)  # only the new messages + generation prompt
+
+when ``reply_ids`` is the canonical encoding of the reply (tested for both
+formats in ``tests/test_chat_format.py``). So a chat keeps the model cache and,
+for the next turn, prefills only ``render_chat(tok, msgs, start=k + 1)`` (with
+the same ``tools``/``thinking``/``thinking_effort`` as before), after feeding
+the reply's stop token (``<|im_end|>`` / ``<|end_of_msg|>``), which the
+generation loop samples but does not run through the model. The model then
+sees exactly the tokens it generated, even where they are not canonical BPE.
+``start=k`` omits the conversation preamble (tool declaration, default system
+prompt, thinking-effort message); ``start=len(msgs)`` gives just the
+generation prompt. A reply that was cut off (Ctrl-C, max tokens) has no stop
+token: restore the cache checkpoint taken before the generation prompt and
+prefill ``render_chat(tok, msgs, start=k, ...)`` with the parsed partial reply
+at ``msgs[k]``. Changing ``tools``, ``thinking`` or ``thinking_effort`` changes
+the preamble (and, for ``thinking``, how K3 renders earlier assistant turns),
+so it needs a full re-prefill.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from .chat_format_k3 import DEFAULT_THINKING_EFFORT, XTML_MARKERS, render_k3_segments
 
 __all__ = [
+    "CHAT_FORMATS",
     "K2_DEFAULT_SYSTEM",
     "Segment",
-    "render_kimi_linear",
-    "render_kimi_linear_text",
-    "render_kimi_linear_segments",
-    "encode_segments",
-    "segments_to_text",
     "default_system_from_template",
+    "detect_chat_format",
+    "encode_segments",
+    "render_chat",
+    "render_chat_segments",
+    "render_chat_text",
+    "render_kimi_linear",
+    "render_kimi_linear_segments",
+    "render_kimi_linear_text",
+    "segments_to_text",
 ]
+
+CHAT_FORMATS = ("kimi_linear", "kimi_k3")
 
 # Injected by the K2-Instruct template when the conversation has no system
 # message (followed by a literal "\n", spec §3.2).
 K2_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 
 # (is_special, text): is_special segments are control-token names.
-Segment = Tuple[bool, str]
+Segment = tuple[bool, str]
 
 IM_SYSTEM = "<|im_system|>"
 IM_USER = "<|im_user|>"
@@ -62,13 +114,25 @@ TOOL_CALL_END = "<|tool_call_end|>"
 _ROLE_MARKER = {"user": IM_USER, "assistant": IM_ASSISTANT}
 
 
+def detect_chat_format(tokenizer) -> str:
+    """``"kimi_k3"`` when the vocabulary has the four XTML markers, else ``"kimi_linear"``.
+
+    ``tokenizer``: a :class:`kimi_mlx.tokenizer.KimiTikTokenizer`, an mlx-lm
+    ``TokenizerWrapper`` around one, or anything with ``get_vocab()``.
+    """
+    specials = getattr(tokenizer, "special_tokens", None)
+    if not isinstance(specials, Mapping):
+        specials = tokenizer.get_vocab()
+    return "kimi_k3" if all(m in specials for m in XTML_MARKERS) else "kimi_linear"
+
+
 def _tojson(obj: Any) -> str:
     # HF's / minja's ``tojson``: ensure_ascii=False, default ", " / ": " separators.
     return json.dumps(obj, ensure_ascii=False)
 
 
 def _content_text(content: Any, role: str) -> str:
-    """Text of a message's ``content``: a string, None, or a list of parts."""
+    """Text of a message's ``content``: a string, None, or a list of text parts."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -85,7 +149,7 @@ def _content_text(content: Any, role: str) -> str:
                 raise TypeError(f"{role} message content part must be a dict or str, got {type(part).__name__}")
             ptype = part.get("type")
             if ptype in ("image", "image_url") or "image" in part or "image_url" in part:
-                raise ValueError("Kimi Linear is text-only: image content parts are not supported")
+                raise ValueError("kimi-mlx is text-only: image content parts are not supported")
             if "text" not in part:
                 raise ValueError(f"{role} message content part without 'text': {part!r}")
             out.append(str(part["text"]))
@@ -93,38 +157,29 @@ def _content_text(content: Any, role: str) -> str:
     raise TypeError(f"{role} message content must be str, list or None, got {type(content).__name__}")
 
 
-def _tool_call_fields(call: Mapping[str, Any]) -> Tuple[Optional[str], str, Any]:
+def _tool_call_fields(call: Mapping[str, Any]) -> tuple[str | None, str, Any]:
     fn = call.get("function", call)
     if not isinstance(fn, Mapping) or "name" not in fn:
         raise ValueError(f"tool call without a function name: {call!r}")
     return call.get("id"), str(fn["name"]), fn.get("arguments", {})
 
 
-def render_kimi_linear_segments(
+def _kimi_linear_segments(
     messages: Sequence[Mapping[str, Any]],
-    add_generation_prompt: bool = True,
-    tools: Optional[Sequence[Mapping[str, Any]]] = None,
-    default_system: Optional[str] = K2_DEFAULT_SYSTEM,
-    *,
-    default_system_suffix: str = "\n",
-    continue_final_message: bool = False,
-) -> List[Segment]:
-    """Render a conversation to ``(is_special, text)`` segments.
-
-    ``default_system``: system prompt injected when ``messages[0]`` is not a
-    system message (``None``: inject nothing, as the tiny fixture's template);
-    ``default_system_suffix`` is the text the K2 template emits after it.
-    ``continue_final_message``: leave the last message open (no ``<|im_end|>``)
-    so generation continues it; excludes ``add_generation_prompt``.
-    Tool calls without an ``id`` get ``functions.{name}:{n}`` (``n`` counts
-    calls across the conversation from 0); a tool result uses its
-    ``tool_call_id``, else the next unanswered call id.
-    """
+    add_generation_prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None,
+    default_system: str | None,
+    default_system_suffix: str,
+    continue_final_message: bool,
+) -> tuple[list[Segment], list[int]]:
+    """``(segments, starts)``: ``starts[i]`` = index of message ``i``'s first segment
+    (``starts[len(messages)]``: the generation prompt's)."""
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt are mutually exclusive")
     if continue_final_message and not messages:
         raise ValueError("continue_final_message needs at least one message")
-    segs: List[Segment] = []
+    segs: list[Segment] = []
+    starts: list[int] = []
 
     def sp(name: str):
         segs.append((True, name))
@@ -140,7 +195,7 @@ def render_kimi_linear_segments(
         tx(_tojson(list(tools)))
         sp(IM_END)
 
-    pending_ids: List[str] = []
+    pending_ids: list[str] = []
     counter = 0
     for idx, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
@@ -155,6 +210,7 @@ def render_kimi_linear_segments(
             tx(default_system)
             sp(IM_END)
             tx(default_system_suffix)
+        starts.append(len(segs))
 
         role_name = role if role == "tool" else (msg.get("name") or role)
         sp(_ROLE_MARKER.get(role, IM_SYSTEM))
@@ -186,10 +242,37 @@ def render_kimi_linear_segments(
         if not (continue_final_message and idx == len(messages) - 1):
             sp(IM_END)
 
+    starts.append(len(segs))
     if add_generation_prompt:
         sp(IM_ASSISTANT)
         tx("assistant")
         sp(IM_MIDDLE)
+    return segs, starts
+
+
+def render_kimi_linear_segments(
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    default_system: str | None = K2_DEFAULT_SYSTEM,
+    *,
+    default_system_suffix: str = "\n",
+    continue_final_message: bool = False,
+) -> list[Segment]:
+    """Render a Kimi Linear conversation to ``(is_special, text)`` segments.
+
+    ``default_system``: system prompt injected when ``messages[0]`` is not a
+    system message (``None``: inject nothing, as the tiny fixture's template);
+    ``default_system_suffix`` is the text the K2 template emits after it.
+    ``continue_final_message``: leave the last message open (no ``<|im_end|>``)
+    so generation continues it; excludes ``add_generation_prompt``.
+    Tool calls without an ``id`` get ``functions.{name}:{n}`` (``n`` counts
+    calls across the conversation from 0); a tool result uses its
+    ``tool_call_id``, else the next unanswered call id.
+    """
+    segs, _ = _kimi_linear_segments(
+        messages, add_generation_prompt, tools, default_system, default_system_suffix, continue_final_message
+    )
     return segs
 
 
@@ -199,15 +282,15 @@ def segments_to_text(segments: Iterable[Segment]) -> str:
     return "".join(text for _, text in segments)
 
 
-def encode_segments(segments: Iterable[Segment], tokenizer) -> List[int]:
+def encode_segments(segments: Iterable[Segment], tokenizer) -> list[int]:
     """Token ids of rendered segments: special segments -> their control id,
     text segments (adjacent ones merged, as in the rendered string) -> plain
     BPE. ``tokenizer`` is a :class:`kimi_mlx.tokenizer.KimiTikTokenizer` or an
     mlx-lm ``TokenizerWrapper`` around one. Raises ``ValueError`` naming the
     token when the vocabulary lacks a needed special token."""
     specials = tokenizer.special_tokens
-    ids: List[int] = []
-    buf: List[str] = []
+    ids: list[int] = []
+    buf: list[str] = []
 
     def flush():
         if buf:
@@ -220,8 +303,8 @@ def encode_segments(segments: Iterable[Segment], tokenizer) -> List[int]:
             tid = specials.get(text)
             if tid is None:
                 raise ValueError(
-                    f"Kimi Linear chat format needs the special token {text!r}, which is not in this "
-                    f"tokenizer's vocabulary (wrong tokenizer for this chat format?)"
+                    f"the chat format needs the special token {text!r}, which is not in this tokenizer's "
+                    f"vocabulary (wrong tokenizer for this chat format?)"
                 )
             ids.append(tid)
         else:
@@ -234,11 +317,11 @@ def render_kimi_linear(
     messages: Sequence[Mapping[str, Any]],
     tokenizer,
     add_generation_prompt: bool = True,
-    tools: Optional[Sequence[Mapping[str, Any]]] = None,
-    default_system: Optional[str] = K2_DEFAULT_SYSTEM,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    default_system: str | None = K2_DEFAULT_SYSTEM,
     **kwargs,
-) -> List[int]:
-    """Render a conversation to token ids (segment-aware). ``kwargs``:
+) -> list[int]:
+    """Render a Kimi Linear conversation to token ids (segment-aware). ``kwargs``:
     ``default_system_suffix``, ``continue_final_message`` (see
     :func:`render_kimi_linear_segments`)."""
     segs = render_kimi_linear_segments(
@@ -250,11 +333,11 @@ def render_kimi_linear(
 def render_kimi_linear_text(
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
-    tools: Optional[Sequence[Mapping[str, Any]]] = None,
-    default_system: Optional[str] = K2_DEFAULT_SYSTEM,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    default_system: str | None = K2_DEFAULT_SYSTEM,
     **kwargs,
 ) -> str:
-    """Render a conversation to its display string (for logs / inspection)."""
+    """Render a Kimi Linear conversation to its display string (for logs / inspection)."""
     return segments_to_text(
         render_kimi_linear_segments(
             messages, add_generation_prompt=add_generation_prompt, tools=tools, default_system=default_system, **kwargs
@@ -262,12 +345,152 @@ def render_kimi_linear_text(
     )
 
 
-_DEFAULT_SYSTEM_RE = re.compile(
-    r"<\|im_system\|>system<\|im_middle\|>([^<>{}]+?)<\|im_end\|>([ \t]*\n?[ \t]*)(\{%-?)?"
-)
+def render_chat_segments(
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    chat_format: str,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    thinking: bool | None = None,
+    thinking_effort: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    start: int = 0,
+    default_system: str | None = K2_DEFAULT_SYSTEM,
+    default_system_suffix: str = "\n",
+) -> list[Segment]:
+    """Segments of :func:`render_chat` for an explicit ``chat_format``.
+
+    ``default_system``/``default_system_suffix`` apply to Kimi Linear only
+    (:func:`render_chat` takes them from the tokenizer).
+    """
+    if chat_format not in CHAT_FORMATS:
+        raise ValueError(f"chat_format={chat_format!r}: expected one of {', '.join(CHAT_FORMATS)}")
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a list of message dicts, got {type(messages).__name__}")
+    if not isinstance(start, int) or not 0 <= start <= len(messages):
+        raise ValueError(f"start={start!r}: expected a message index in [0, {len(messages)}]")
+    if chat_format == "kimi_linear":
+        if thinking:
+            raise ValueError("thinking=True: Kimi Linear has no thinking section (only Kimi-K3 models think)")
+        if thinking_effort is not None:
+            raise ValueError(f"thinking_effort={thinking_effort!r}: Kimi Linear has no thinking effort (Kimi-K3 only)")
+        segs, starts = _kimi_linear_segments(
+            messages, add_generation_prompt, tools, default_system, default_system_suffix, continue_final_message
+        )
+    else:
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt are mutually exclusive")
+        if continue_final_message and not messages:
+            raise ValueError("continue_final_message needs at least one message")
+        segs, starts = render_k3_segments(
+            messages,
+            content_text=_content_text,
+            tools=tools,
+            thinking=True if thinking is None else bool(thinking),
+            thinking_effort=DEFAULT_THINKING_EFFORT if thinking_effort is None else thinking_effort,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+    if start == 0:
+        return segs
+    if starts[start] is None:
+        raise ValueError(
+            f"start={start}: message {start} is a tool result emitted inside a reordered run of tool results; "
+            f"start at the first message of the run"
+        )
+    return segs[starts[start] :]
 
 
-def default_system_from_template(chat_template: Optional[str]) -> Tuple[Optional[str], str]:
+def _format_and_system(tokenizer, chat_format: str | None, default_system: Any) -> tuple[str, str | None, str]:
+    fmt = chat_format if chat_format is not None else detect_chat_format(tokenizer)
+    if default_system == "auto":
+        system = getattr(tokenizer, "default_system", K2_DEFAULT_SYSTEM) if tokenizer is not None else K2_DEFAULT_SYSTEM
+        suffix = getattr(tokenizer, "default_system_suffix", "\n") if tokenizer is not None else "\n"
+        return fmt, system, suffix
+    return fmt, default_system, "\n"
+
+
+def render_chat(
+    tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    thinking: bool | None = None,
+    thinking_effort: str | None = None,
+    add_generation_prompt: bool = True,
+    chat_format: str | None = None,
+    start: int = 0,
+    continue_final_message: bool = False,
+    default_system: Any = "auto",
+) -> list[int]:
+    """Render ``messages`` to token ids in the model's chat format.
+
+    ``chat_format``: ``None`` -> :func:`detect_chat_format` (``"kimi_linear"``
+    or ``"kimi_k3"`` to override). ``thinking``/``thinking_effort``: Kimi-K3
+    only (defaults True / ``"max"``; Kimi Linear rejects ``thinking=True``).
+    ``start``: render only messages ``start:`` (+ the generation prompt),
+    without the preamble — see the module docstring for multi-turn use.
+    ``default_system`` (Kimi Linear): ``"auto"`` -> the tokenizer's default
+    system prompt (from its template; K2's when it has none), a string, or
+    ``None`` for none.
+    """
+    fmt, system, suffix = _format_and_system(tokenizer, chat_format, default_system)
+    segs = render_chat_segments(
+        messages,
+        chat_format=fmt,
+        tools=tools,
+        thinking=thinking,
+        thinking_effort=thinking_effort,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        start=start,
+        default_system=system,
+        default_system_suffix=suffix,
+    )
+    return encode_segments(segs, tokenizer)
+
+
+def render_chat_text(
+    tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    thinking: bool | None = None,
+    thinking_effort: str | None = None,
+    add_generation_prompt: bool = True,
+    chat_format: str | None = None,
+    start: int = 0,
+    continue_final_message: bool = False,
+    default_system: Any = "auto",
+) -> str:
+    """The string :func:`render_chat` encodes (markers written by name), for display and logs.
+
+    ``tokenizer`` may be ``None`` when ``chat_format`` is given. Never encode
+    this string with special-token parsing: typed markers would become control ids.
+    """
+    if tokenizer is None and chat_format is None:
+        raise ValueError("render_chat_text needs a tokenizer or an explicit chat_format")
+    fmt, system, suffix = _format_and_system(tokenizer, chat_format, default_system)
+    return segments_to_text(
+        render_chat_segments(
+            messages,
+            chat_format=fmt,
+            tools=tools,
+            thinking=thinking,
+            thinking_effort=thinking_effort,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            start=start,
+            default_system=system,
+            default_system_suffix=suffix,
+        )
+    )
+
+
+_DEFAULT_SYSTEM_RE = re.compile(r"<\|im_system\|>system<\|im_middle\|>([^<>{}]+?)<\|im_end\|>([ \t]*\n?[ \t]*)(\{%-?)?")
+
+
+def default_system_from_template(chat_template: str | None) -> tuple[str | None, str]:
     """``(default system prompt, suffix)`` implied by a checkpoint's Jinja template.
 
     No template -> the K2-Instruct default (``K2_DEFAULT_SYSTEM``, ``"\\n"``).

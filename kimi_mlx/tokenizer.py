@@ -86,7 +86,6 @@ TIKTOKEN_MAX_ENCODE_CHARS = 400_000
 MAX_CONSECUTIVE_CHARS = 25_000
 _LONG_RUN_RE = re.compile(r"\s{%d,}|\S{%d,}" % (MAX_CONSECUTIVE_CHARS + 1, MAX_CONSECUTIVE_CHARS + 1))
 
-XTML_MARKERS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
 
 
 class KimiTokenizerError(ValueError):
@@ -596,8 +595,10 @@ class KimiTikTokenizer:
 
     @property
     def chat_format(self) -> str:
-        """``"kimi_k3"`` for the XTML vocabulary, else ``"kimi_linear"``."""
-        return "kimi_k3" if all(m in self.special_tokens for m in XTML_MARKERS) else "kimi_linear"
+        """``"kimi_k3"`` for the XTML vocabulary, else ``"kimi_linear"`` (:func:`kimi_mlx.chat_format.detect_chat_format`)."""
+        from .chat_format import detect_chat_format
+
+        return detect_chat_format(self)
 
     def apply_chat_template(
         self,
@@ -610,39 +611,50 @@ class KimiTikTokenizer:
         return_tensors: Optional[str] = None,
         **kwargs,
     ):
-        """HF-compatible entry point: renders with :mod:`kimi_mlx.chat_format`.
+        """HF-compatible entry point: renders with :func:`kimi_mlx.chat_format.render_chat_segments`
+        in this tokenizer's chat format (Kimi Linear or Kimi-K3 XTML).
 
-        Extra kwargs: ``default_system`` (overrides the tokenizer's default;
-        ``None`` disables the injected system prompt). Other template kwargs
-        (e.g. mlx-lm's ``enable_thinking``) are ignored: Kimi Linear has no
-        thinking section. ``tokenize=False`` returns a :class:`RenderedChat`.
+        Extra kwargs: ``chat_format`` (override the detected format);
+        ``default_system`` (Kimi Linear; overrides the tokenizer's default,
+        ``None`` disables the injected system prompt); for Kimi-K3
+        ``thinking`` (or mlx-lm's ``enable_thinking``) and ``thinking_effort``
+        (or ``reasoning_effort``). Kimi Linear ignores the thinking kwargs (it
+        has no thinking section), so mlx-lm callers that always pass
+        ``enable_thinking`` work with both. Other template kwargs are ignored.
+        ``tokenize=False`` returns a :class:`RenderedChat`.
         """
         from . import chat_format
 
         if return_tensors is not None:
             raise ValueError(f"return_tensors={return_tensors!r} is not supported; convert the returned ids yourself")
-        if self.chat_format != "kimi_linear":
-            raise ValueError(
-                "this tokenizer has the Kimi-K3 XTML vocabulary, which the Kimi Linear chat format cannot render "
-                "(render_kimi_linear would produce ids the model never saw)"
-            )
         if conversation and isinstance(conversation[0], (list, tuple)):
             return [
                 self.apply_chat_template(
-                    c, tools=tools, tokenize=tokenize, add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message, return_dict=return_dict, **kwargs,
+                    c,
+                    tools=tools,
+                    tokenize=tokenize,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    return_dict=return_dict,
+                    **kwargs,
                 )
                 for c in conversation
             ]
-        default_system = kwargs.get("default_system", self.default_system)
-        suffix = kwargs.get("default_system_suffix", self.default_system_suffix)
-        segments = chat_format.render_kimi_linear_segments(
+        fmt = kwargs.get("chat_format") or self.chat_format
+        thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
+        effort = kwargs.get("thinking_effort", kwargs.get("reasoning_effort"))
+        if fmt == "kimi_linear":
+            thinking = effort = None
+        segments = chat_format.render_chat_segments(
             conversation,
-            add_generation_prompt=add_generation_prompt,
+            chat_format=fmt,
             tools=tools,
-            default_system=default_system,
-            default_system_suffix=suffix,
+            thinking=thinking,
+            thinking_effort=effort,
+            add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            default_system=kwargs.get("default_system", self.default_system),
+            default_system_suffix=kwargs.get("default_system_suffix", self.default_system_suffix),
         )
         ids = chat_format.encode_segments(segments, self)
         if tokenize:

@@ -4,9 +4,11 @@ and kimi_mlx.chat_format (segment-aware Kimi Linear chat rendering)."""
 import json
 import shutil
 import time
-from pathlib import Path
 
 import pytest
+from conftest import K3_FIXTURE as K3
+from conftest import KL_FIXTURE as KL
+from xtml_tokenizer import write_xtml_tokenizer_dir
 
 from kimi_mlx.chat_format import (
     K2_DEFAULT_SYSTEM,
@@ -23,12 +25,6 @@ from kimi_mlx.tokenizer import (
     load_kimi_tokenizer,
     load_tiktoken_ranks,
 )
-
-FIXTURES = Path("/work/shared/fixtures/llamacpp")
-KL = FIXTURES / "kimi_linear"
-K3 = FIXTURES / "kimi_k3"
-
-pytestmark = pytest.mark.skipif(not (KL / "hf" / "tiktoken.model").is_file(), reason="tokenizer fixtures not present")
 
 MANIFEST_MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -318,17 +314,10 @@ def test_k3_fixture_tokenizer_loads():
 def test_k3_xtml_specials(tmp_path):
     """A K3-style tokenizer_config (XTML names at the real offsets) makes <|open|>/<|close|>/<|sep|>/<|end_of_msg|> specials.
 
-    The shipped K3 fixture reuses the Kimi-Linear special names, so the XTML table is synthesized here.
+    The shipped K3 fixture reuses the Kimi-Linear special names, so the XTML table is synthesized
+    (tests/xtml_tokenizer.py, from the spec's table).
     """
-    cfg = json.loads((K3 / "hf" / "tokenizer_config.json").read_text())
-    names = {0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>", 126: "[UNK]", 127: "[PAD]"}
-    cfg["added_tokens_decoder"] = {
-        str(384 + k): {"content": names.get(k, f"<|reserved_token_{384 + k}|>"), "special": True} for k in range(128)
-    }
-    for f in ("tiktoken.model", "generation_config.json", "config.json", "special_tokens_map.json"):
-        shutil.copy(K3 / "hf" / f, tmp_path / f)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    t = load_kimi_tokenizer(tmp_path)
+    t = load_kimi_tokenizer(write_xtml_tokenizer_dir(tmp_path))
     assert t.chat_format == "kimi_k3"
     for name, tid in (("<|open|>", 387), ("<|close|>", 388), ("<|sep|>", 389), ("<|end_of_msg|>", 386)):
         assert t.special_tokens[name] == tid
@@ -341,8 +330,32 @@ def test_k3_xtml_specials(tmp_path):
     # mlx-lm recognizes the XTML vocab; its think markers map to special ids
     assert t.has_thinking and t.think_start_tokens[0] == 387 and t.think_start_tokens[-1] == 389
     assert 386 in t.eos_token_ids
-    with pytest.raises(ValueError, match="XTML"):
-        t.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_k3_apply_chat_template_routes_to_xtml(tmp_path):
+    """apply_chat_template on an XTML tokenizer renders the K3 format (spec §3.3 thinking-off example, ids by
+    tiktoken's own special parsing of that text); enable_thinking / reasoning_effort map to thinking / effort."""
+    t = load_kimi_tokenizer(write_xtml_tokenizer_dir(tmp_path))
+    msgs = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Is 123 a prime?"},
+    ]
+    spec_text = (
+        '<|open|>message role="system"<|sep|>You are a helpful assistant.<|close|>message<|sep|><|end_of_msg|>'
+        '<|open|>message role="user"<|sep|>Is 123 a prime?<|close|>message<|sep|><|end_of_msg|>'
+        '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
+    )
+    ids = t.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=False)
+    assert ids == t.encode(spec_text, allowed_special="all")
+    text = t.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert text == spec_text and t.encode(text) == ids
+    high = t.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, reasoning_effort="high")
+    assert "`thinking_effort=high`" in high and high.endswith("<|open|>think<|sep|>")
+    with pytest.raises(ValueError, match="thinking_effort"):
+        t.apply_chat_template(msgs, thinking_effort="medium")
+    # the Kimi Linear tokenizer ignores the thinking kwargs mlx-lm passes
+    kl = load_kimi_tokenizer(KL / "hf")
+    assert kl.apply_chat_template(msgs, enable_thinking=True) == kl.apply_chat_template(msgs)
 
 
 def test_mlx_lm_generate_runs_with_wrapper(tok):
