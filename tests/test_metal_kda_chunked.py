@@ -11,12 +11,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from metal_support import assert_matches, strict_kernels  # noqa: F401  (fixture)
+from metal_support import assert_matches, kernels, strict_kernels  # noqa: F401  (fixtures)
 from test_kda_ops import make_inputs
 
 from kimi_mlx import metal
 from kimi_mlx.ops import kda as kda_mod
-from kimi_mlx.ops.kda import kda_chunked, kda_recurrent
+from kimi_mlx.ops.kda import kda_chunked, kda_forward, kda_recurrent
 from kimi_mlx.ops.kda_chunked_metal import kda_chunked_metal
 
 
@@ -145,3 +145,38 @@ def test_bad_input_errors(Dk, Dv, chunk, tg, dtype, match):
     v = mx.zeros((1, 9, 1, Dv), dtype=dtype)
     with pytest.raises(ValueError, match=match):
         kda_chunked_metal(q, q, v, q, mx.zeros((1, 9, 1)), chunk_size=chunk, threadgroup_cols=tg)
+
+
+def scan_launches(backend) -> int:
+    return sum("kda_chunked_scan" in r.source for r in backend.results)
+
+
+def test_kda_forward_dispatches_to_kernel(strict_kernels):  # noqa: F811
+    """kda_forward (the model's entry point) runs the kernel for a chunked-length input when kernels are enabled, and
+    matches its own pure path; Dk not a multiple of 32 keeps the pure path even with kernels enabled."""
+    args = inputs(7, 2, 40, 2, 64, 64, pad=(0, 13))
+    with strict_kernels.active():
+        got = kda_forward(*args)
+        odd = kda_forward(*inputs(8, 1, 40, 1, 48, 32))
+        mx.eval(got, odd)
+    with metal.disabled():
+        ref = kda_forward(*args)
+    assert scan_launches(strict_kernels) == 1
+    assert_matches(got[0], ref[0], "output")
+    assert_matches(got[1], ref[1], "state")
+    strict_kernels.assert_clean()
+
+
+def test_model_prefill_with_kernel_matches_pure(kernels, kl_model, kl_manifest):  # noqa: F811
+    """A tiny Kimi Linear forward over 70 tokens (past the recurrent kernel's range, so every KDA layer prefills
+    through this kernel) gives the pure-MLX logits to 1e-4."""
+    tokens = mx.array((list(kl_manifest["token_ids"]) * 3)[:70])[None]
+    with kernels.active():
+        got = kl_model(tokens)
+        mx.eval(got)
+    with metal.disabled():
+        ref = kl_model(tokens)
+    assert scan_launches(kernels) == len(kl_model.args.kda_layers) > 0
+    err = float(mx.abs(got - ref).max() / mx.abs(ref).max())
+    assert err <= 1e-4, err
+    kernels.assert_clean()

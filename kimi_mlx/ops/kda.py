@@ -359,7 +359,8 @@ def kda_forward(
     """KDA scan entry point used by the model: recurrent for ``T <= RECURRENT_MAX_T`` (decode), chunked otherwise
     (chunk size 8 below ``SHORT_CHUNK_T`` tokens, ``DEFAULT_CHUNK_SIZE`` above).
 
-    This is the single function boundary where a Metal kernel will slot in later.
+    When Metal kernels are enabled (``kimi_mlx.metal.enabled()``) and Dk, Dv are multiples of 32, the chunked path
+    runs its inter-chunk scan in one kernel launch per group of chunks (``kda_chunked_metal``).
     Shapes/dtypes as in the module docstring: q, k ``[B, T, H, Dk]``; v ``[B, T, H, Dv]``; g ``[B, T, H, Dk]``;
     beta ``[B, T, H]``; state ``[B, H, Dv, Dk]`` float32 or None; mask ``[B, T]`` bool or None.
     Returns ``(o [B, T, H, Dv] in v.dtype, final state [B, H, Dv, Dk] float32)``.
@@ -368,6 +369,10 @@ def kda_forward(
     if T <= RECURRENT_MAX_T:
         return kda_recurrent(q, k, v, g, beta, state=state, mask=mask)
     chunk_size = 8 if T < SHORT_CHUNK_T else DEFAULT_CHUNK_SIZE
+    if metal.enabled() and q.shape[-1] % 32 == 0 and v.shape[-1] % 32 == 0:
+        from .kda_chunked_metal import kda_chunked_metal  # imports this module, so bound at call time
+
+        return kda_chunked_metal(q, k, v, g, beta, state=state, mask=mask, chunk_size=chunk_size)
     return kda_chunked(q, k, v, g, beta, state=state, mask=mask, chunk_size=chunk_size)
 
 
