@@ -20,20 +20,25 @@ from .kimi_linear import DecoderLayer, KimiLinearModel, Model, layer_masks
 
 
 class Snapshots:
-    """The completed AttnRes blocks of one forward pass: values [B, T, d] and their inv_rms [B, T, 1] float32,
-    computed once when a block is stored (only the running partial sum is new at each mix point)."""
+    """The completed AttnRes blocks of one forward pass, stacked: ``raw`` [K, B, T, d] and their ``inv_rms``
+    [K, B, T, 1] float32, computed once when a block is stored (only the running partial sum is new at each mix
+    point; the stacked layout is what the Metal mix kernel reads, without a copy per mix)."""
 
     def __init__(self, eps: float):
         self.eps = eps
-        self.values: list[mx.array] = []
-        self.inv_rms: list[mx.array] = []
+        self.raw: Optional[mx.array] = None
+        self.inv_rms: Optional[mx.array] = None
 
     def append(self, x: mx.array) -> None:
-        self.values.append(x)
-        self.inv_rms.append(inv_rms(x, self.eps))
+        r = inv_rms(x, self.eps)
+        if self.raw is None:
+            self.raw, self.inv_rms = x[None], r[None]
+        else:
+            self.raw = mx.concatenate([self.raw, x[None]])
+            self.inv_rms = mx.concatenate([self.inv_rms, r[None]])
 
     def __bool__(self) -> bool:
-        return bool(self.values)
+        return self.raw is not None
 
 
 class ResidualMix(nn.Module):
@@ -49,9 +54,9 @@ class ResidualMix(nn.Module):
         w_n = self.norm.weight.astype(mx.float32)
         if type(self.proj) is nn.Linear:  # a plain projection: fold both weights into one score vector
             w_eff = w_n * self.proj.weight[0].astype(mx.float32)
-            return attn_res_mix(blocks.values, blocks.inv_rms, partial, w_eff, eps)
+            return attn_res_mix(blocks.raw, blocks.inv_rms, partial, w_eff, eps)
         # a wrapped projection (e.g. LoRA) is called, never read
-        return attn_res_mix_scored(blocks.values, blocks.inv_rms, partial, lambda k: self.proj(k * w_n), eps)
+        return attn_res_mix_scored(blocks.raw, blocks.inv_rms, partial, lambda k: self.proj(k * w_n), eps)
 
 
 class K3DecoderLayer(DecoderLayer):

@@ -4,14 +4,21 @@
     logits_i = keys_i . (norm_weight * proj_weight)  (the two weights folded into one score vector w_eff)
     out      = sum_i softmax_i(logits) * values_i    (the RAW values), float32 accumulation
 
-``attn_res_mix`` is the single function boundary where the Metal kernel will slot in.
+``attn_res_mix`` is the one dispatch point: on a Metal GPU (``kimi_mlx.metal.enabled()``) it launches
+``metal_kernels/attn_res_mix.metal`` (``attn_res_mix_metal``), elsewhere it runs the compiled pure-MLX ops below.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
+
+from .. import metal
+
+metal.register("attn_res_mix")
+
+Blocks = list | mx.array  # K snapshots: a list of [B, T, d] arrays, or one stacked [K, B, T, d] array
 
 
 def inv_rms(x: mx.array, eps: float) -> mx.array:
@@ -35,24 +42,87 @@ def _scores(values: list[mx.array], scales: list[mx.array], w_eff: mx.array) -> 
     return [(v.astype(mx.float32) @ w_eff)[..., None] * r for v, r in zip(values, scales)]
 
 
-def attn_res_mix(
-    blocks: list[mx.array], block_inv_rms: list[mx.array], partial: mx.array, w_eff: mx.array, eps: float
-) -> mx.array:
+def _as_list(x: Blocks) -> list[mx.array]:
+    return list(x) if isinstance(x, (list, tuple)) else [x[i] for i in range(x.shape[0])]
+
+
+def _as_stacked(x: Blocks) -> mx.array:
+    return mx.stack(list(x)) if isinstance(x, (list, tuple)) else x
+
+
+def _check_mix(blocks: Blocks, block_inv_rms: Blocks, partial: mx.array, w_eff: mx.array) -> None:
+    """Shape checks naming the argument: K snapshots shaped like ``partial``, inv_rms ``[..., 1]``, w_eff [d]."""
+    K = len(blocks) if isinstance(blocks, (list, tuple)) else blocks.shape[0]
+    shapes = [tuple(b.shape) for b in _as_list(blocks)]
+    if any(sh != tuple(partial.shape) for sh in shapes):
+        raise ValueError(f"attn_res_mix: block shapes {shapes} differ from partial {tuple(partial.shape)}")
+    rms_shapes = [tuple(r.shape) for r in _as_list(block_inv_rms)]
+    want = (*partial.shape[:-1], 1)
+    if len(rms_shapes) != K or any(sh != want for sh in rms_shapes):
+        raise ValueError(f"attn_res_mix: block_inv_rms shapes {rms_shapes}, expected {K} x {want}")
+    if tuple(w_eff.shape) != (partial.shape[-1],):
+        raise ValueError(f"attn_res_mix: w_eff shape {tuple(w_eff.shape)}, expected ({partial.shape[-1]},)")
+
+
+def attn_res_mix(blocks: Blocks, block_inv_rms: Blocks, partial: mx.array, w_eff: mx.array, eps: float) -> mx.array:
     """Mix the completed block snapshots and the running partial sum.
 
-    blocks: K snapshots [B, T, d] (stream dtype); block_inv_rms: their ``inv_rms`` [B, T, 1] float32;
-    partial: [B, T, d]; w_eff: [d] float32 = norm_weight * proj_weight. Returns [B, T, d] in partial's dtype.
+    blocks: K snapshots [B, T, d] (stream dtype), as a list or stacked [K, B, T, d]; block_inv_rms: their
+    ``inv_rms`` [B, T, 1] float32 (list, or stacked [K, B, T, 1]); partial: [B, T, d]; w_eff: [d] float32 =
+    norm_weight * proj_weight. Returns [B, T, d] in partial's dtype.
     """
-    values = blocks + [partial]
-    return _combine(values, _scores(values, block_inv_rms + [inv_rms(partial, eps)], w_eff))
+    _check_mix(blocks, block_inv_rms, partial, w_eff)
+    kern = metal.kernel("attn_res_mix")
+    if kern is not None and len(blocks):
+        return attn_res_mix_metal(blocks, block_inv_rms, partial, w_eff, eps, kernel=kern)
+    values = _as_list(blocks) + [partial]
+    return _combine(values, _scores(values, _as_list(block_inv_rms) + [inv_rms(partial, eps)], w_eff))
+
+
+def attn_res_mix_metal(
+    blocks: Blocks, block_inv_rms: Blocks, partial: mx.array, w_eff: mx.array, eps: float, *,
+    kernel=None, threads: int | None = None, rows_per_group: int = 1,
+) -> mx.array:
+    """One launch of ``metal_kernels/attn_res_mix.metal``; same arguments and result as ``attn_res_mix``.
+
+    ``kernel`` defaults to ``kimi_mlx.metal.kernel("attn_res_mix")`` (an error if kernels are not enabled).
+    ``threads``: threads per row, a multiple of 32 (default: 32 per 256 elements of d, at most 256);
+    ``rows_per_group``: rows per threadgroup (the grid is ``(threads, B*T, 1)``).
+    """
+    _check_mix(blocks, block_inv_rms, partial, w_eff)
+    if not len(blocks):
+        raise ValueError("attn_res_mix_metal: needs at least one block snapshot (K >= 1)")
+    if kernel is None:
+        kernel = metal.kernel("attn_res_mix")
+        if kernel is None:
+            raise RuntimeError("attn_res_mix_metal: Metal kernels are not enabled (see kimi_mlx.metal.enabled)")
+    d = partial.shape[-1]
+    threads = min(256, 32 * -(-d // 256)) if threads is None else threads
+    if threads % 32 or not 32 <= threads * rows_per_group <= 1024:
+        raise ValueError(
+            f"attn_res_mix_metal: threads must be a multiple of 32 and threads * rows_per_group <= 1024, got "
+            f"threads={threads}, rows_per_group={rows_per_group}"
+        )
+    raw = _as_stacked(blocks).astype(partial.dtype)
+    K = raw.shape[0]
+    N = partial.size // d
+    rms = _as_stacked(block_inv_rms).astype(mx.float32).reshape(K, N)
+    (out,) = kernel(
+        inputs=[raw.reshape(K, N, d), rms, partial.reshape(N, d), w_eff.astype(mx.float32), float(eps)],
+        template=[("InT", partial.dtype), ("K", K), ("D", d), ("THREADS", threads), ("ROWS", rows_per_group)],
+        grid=(threads, N, 1),
+        threadgroup=(threads, rows_per_group, 1),
+        output_shapes=[(N, d)],
+        output_dtypes=[partial.dtype],
+    )
+    return out.reshape(partial.shape)
 
 
 def attn_res_mix_scored(
-    blocks: list[mx.array], block_inv_rms: list[mx.array], partial: mx.array,
-    score: Callable[[mx.array], mx.array], eps: float,
+    blocks: Blocks, block_inv_rms: Blocks, partial: mx.array, score: Callable[[mx.array], mx.array], eps: float,
 ) -> mx.array:
     """Same mix with the score computed by a callable on the RMS-normalised values ``[B, T, d] -> [B, T, 1]``
-    (for a projection that must be called rather than read, e.g. a LoRA-wrapped one)."""
-    values = blocks + [partial]
-    scales = block_inv_rms + [inv_rms(partial, eps)]
+    (for a projection that must be called rather than read, e.g. a LoRA-wrapped one). Always pure MLX."""
+    values = _as_list(blocks) + [partial]
+    scales = _as_list(block_inv_rms) + [inv_rms(partial, eps)]
     return _combine(values, [score(v.astype(mx.float32) * r).astype(mx.float32) for v, r in zip(values, scales)])
