@@ -1,21 +1,23 @@
-// KDA chunked prefill: the part that is sequential across chunks (inter-chunk state recurrence + outputs).
-// Body for mx.fast.metal_kernel; host side: kimi_mlx/ops/kda_chunked_metal.py (intra-chunk quantities come from
-// kimi_mlx.ops.kda._intra_chunk, so every decay factor was formed from exponents <= 0).
+// KDA chunked prefill: the part that is sequential across chunks (inter-chunk state recurrence + outputs), on the
+// SIMD-group matrix units. Body for mx.fast.metal_kernel; host side: kimi_mlx/ops/kda_chunked_metal.py. The
+// intra-chunk quantities come from kimi_mlx.ops.kda._intra_chunk, so every decay factor was formed from exponents
+// <= 0 (safe at g = -1000); this kernel only multiplies and adds them.
 //
 // Per chunk n of C tokens, per (b, h), fla orientation S[Dk, Dv]:
 //   WS = WQ @ S;  Vnew = UO[:C] - WS[:C];  O = UO[C:] + WS[C:];  S <- diag(decay) S + Kg^T @ Vnew
-// Columns of S (one per Dv index) are independent: one SIMD-group per (b, h, dv) column, its 32 lanes split Dk
-// (lane owns k = j * 32 + lane, j < Dk / 32) and reduce the dot products with simd_sum. No threadgroup memory,
-// no barriers; a threadgroup is 32 x TG_COLS SIMD-groups of independent columns (any TG_COLS, edge groups partial).
+// Columns of S are independent: one SIMD-group per (b, h, 8-column tile of Dv) keeps its S[Dk, 8] in registers as
+// Dk/8 float 8x8 simdgroup matrices and does every product above as 8x8x8 multiply-accumulates (float32). Lane
+// layout of an 8x8 matrix (MLX steel's BaseMMAFrag::get_coord): lane l holds row (l/4 & 4) + (l/2) % 4, columns
+// (l/4 & 2) * 2 + (l % 2) * 2 and +1, as thread_elements()[0] and [1]. No threadgroup memory, no barriers.
 //
-// Grid (32, Dv, B * H); threadgroup (32, TG_COLS, 1).
-// Template: OutT (output dtype), C (chunk size), Dk, Dv, H (ints; Dk a multiple of 32).
+// Grid (32, Dv / 8, B * H); threadgroup (32, SG, 1) for any SG (SIMD-groups of independent tiles; edge groups partial).
+// Template: OutT (output dtype), C (chunk size, a multiple of 8), Dk, Dv, H (ints; Dk, Dv multiples of 8).
 // Inputs (float32 unless noted; N = ceil(T / C) chunks, chunk-major like kda._intra_chunk's output):
 //   wq       [N, B, H, 2C, Dk]  [W; Q*exp(G) - Aqk W]
 //   uo       [N, B, H, 2C, Dv]  [U; Aqk U]
 //   kg       [N, B, H, C, Dk]   K * exp(G_C - G)
 //   decay    [N, B, H, Dk]      exp(G_C)
-//   state_in [B, H, Dv, Dk]     initial state (mlx-lm orientation)
+//   state_in [B, H, Dv, Dk]     initial state (mlx-lm orientation, i.e. S^T)
 //   mask     [B, T] bool        True = real token (false: output 0; its step is an identity on the state)
 //   T        int32 scalar       tokens (the last chunk may be partial; its padded rows are not written)
 // Outputs:
@@ -24,62 +26,77 @@
 // @inputs wq uo kg decay state_in mask T
 // @outputs o state_out
 
-constexpr int NK = Dk / 32;
+constexpr int KB = Dk / 8;  // 8-row blocks of S
+constexpr int RB = C / 8;   // 8-row blocks of a chunk
 const uint lane = thread_position_in_threadgroup.x;
-const uint dv = thread_position_in_grid.y;
+const uint v0 = thread_position_in_grid.y * 8;  // first Dv column of this SIMD-group's tile
 const uint bh = thread_position_in_grid.z;
 const uint BH = threads_per_grid.z;
 const uint b = bh / H;
 const uint h = bh % H;
 const int n_chunks = (T + C - 1) / C;
+// This lane's two elements of any 8x8 matrix: (row, col) and (row, col + 1).
+const int row = ((lane / 4) & 4) + (lane / 2) % 4;
+const int col = ((lane / 4) & 2) * 2 + (lane % 2) * 2;
 
-float s[NK];
-const device float* st_in = state_in + (size_t(bh) * Dv + dv) * Dk + lane;
-for (int j = 0; j < NK; ++j) {
-  s[j] = st_in[j * 32];
+// S[kb] = S[kb*8 .. +8, v0 .. +8] = state_in[v0 .. +8, kb*8 .. +8]^T.
+const device float* st_in = state_in + size_t(bh) * Dv * Dk;
+simdgroup_float8x8 s[KB];
+for (int kb = 0; kb < KB; ++kb) {
+  simdgroup_load(s[kb], st_in, Dk, ulong2(kb * 8, v0), true);
 }
 
-float vnew[C];
+simdgroup_float8x8 vnew[RB];
+simdgroup_float8x8 a;
+simdgroup_float8x8 acc;
 for (int n = 0; n < n_chunks; ++n) {
   const size_t cb = size_t(n) * BH + bh;
-  const device float* wq_ = wq + cb * (2 * C * Dk) + lane;
-  const device float* uo_ = uo + cb * (2 * C * Dv) + dv;
-  const device float* kg_ = kg + cb * (C * Dk) + lane;
-  const device float* decay_ = decay + cb * Dk + lane;
+  const device float* wq_ = wq + cb * (2 * C * Dk);
+  const device float* uo_ = uo + cb * (2 * C * Dv);
+  const device float* kg_ = kg + cb * (C * Dk);
+  const device float* decay_ = decay + cb * Dk;
 
-  // Vnew = U - W S (rows 0 .. C-1 of WQ / UO).
-  for (int i = 0; i < C; ++i) {
-    float p = 0.0f;
-    for (int j = 0; j < NK; ++j) {
-      p += wq_[i * Dk + j * 32] * s[j];
+  // Vnew = U - W S (row blocks 0 .. RB-1 of WQ / UO).
+  for (int rb = 0; rb < RB; ++rb) {
+    acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (int kb = 0; kb < KB; ++kb) {
+      simdgroup_load(a, wq_, Dk, ulong2(kb * 8, rb * 8));
+      simdgroup_multiply_accumulate(acc, a, s[kb], acc);
     }
-    vnew[i] = uo_[i * Dv] - simd_sum(p);
+    simdgroup_load(vnew[rb], uo_, Dv, ulong2(v0, rb * 8));
+    vnew[rb].thread_elements()[0] -= acc.thread_elements()[0];
+    vnew[rb].thread_elements()[1] -= acc.thread_elements()[1];
   }
 
-  // O = Aqk U + (Q exp(G) - Aqk W) S (rows C .. 2C-1), written for real rows only.
-  for (int i = 0; i < C; ++i) {
-    float p = 0.0f;
-    for (int j = 0; j < NK; ++j) {
-      p += wq_[(C + i) * Dk + j * 32] * s[j];
+  // O = Aqk U + (Q exp(G) - Aqk W) S (row blocks RB .. 2RB-1), written for real rows only.
+  for (int rb = 0; rb < RB; ++rb) {
+    simdgroup_load(acc, uo_, Dv, ulong2(v0, C + rb * 8));
+    for (int kb = 0; kb < KB; ++kb) {
+      simdgroup_load(a, wq_, Dk, ulong2(kb * 8, C + rb * 8));
+      simdgroup_multiply_accumulate(acc, a, s[kb], acc);
     }
-    const float out = uo_[(C + i) * Dv] + simd_sum(p);
-    const int t = n * C + i;
-    if (lane == 0 && t < T) {
-      o[((size_t(b) * T + t) * H + h) * Dv + dv] = mask[size_t(b) * T + t] ? static_cast<OutT>(out) : OutT(0);
+    const int t = n * C + rb * 8 + row;
+    if (t < T) {
+      const bool live = mask[size_t(b) * T + t];
+      device OutT* o_ = o + ((size_t(b) * T + t) * H + h) * Dv + v0 + col;
+      o_[0] = live ? static_cast<OutT>(acc.thread_elements()[0]) : OutT(0);
+      o_[1] = live ? static_cast<OutT>(acc.thread_elements()[1]) : OutT(0);
     }
   }
 
-  // S <- diag(exp(G_C)) S + Kg^T Vnew.
-  for (int j = 0; j < NK; ++j) {
-    float acc = s[j] * decay_[j * 32];
-    for (int i = 0; i < C; ++i) {
-      acc += kg_[i * Dk + j * 32] * vnew[i];
+  // S <- diag(exp(G_C)) S + Kg^T Vnew (Kg^T blocks are transposed loads of Kg).
+  for (int kb = 0; kb < KB; ++kb) {
+    const float d = decay_[kb * 8 + row];
+    s[kb].thread_elements()[0] *= d;
+    s[kb].thread_elements()[1] *= d;
+    for (int rb = 0; rb < RB; ++rb) {
+      simdgroup_load(a, kg_, Dk, ulong2(kb * 8, rb * 8), true);
+      simdgroup_multiply_accumulate(s[kb], a, vnew[rb], s[kb]);
     }
-    s[j] = acc;
   }
 }
 
-device float* st_out = state_out + (size_t(bh) * Dv + dv) * Dk + lane;
-for (int j = 0; j < NK; ++j) {
-  st_out[j * 32] = s[j];
+device float* st_out = state_out + size_t(bh) * Dv * Dk;
+for (int kb = 0; kb < KB; ++kb) {
+  simdgroup_store(s[kb], st_out, Dk, ulong2(kb * 8, v0), true);
 }

@@ -31,10 +31,10 @@ def inputs(seed, B, T, H, Dk, Dv, dtype=mx.float32, extreme=False, pad=(0,)):
     return q, k, v, g, beta, mx.array(state), mx.array(mask)
 
 
-def run_both(backend, args, chunk_size, threadgroup_cols=4):
+def run_both(backend, args, chunk_size, simdgroups=4):
     """(kernel o, kernel state), (pure chunked o, state) with the same chunk size, (recurrent o, state)."""
     with backend.active():
-        got = kda_chunked_metal(*args, chunk_size=chunk_size, threadgroup_cols=threadgroup_cols)
+        got = kda_chunked_metal(*args, chunk_size=chunk_size, simdgroups=simdgroups)
         mx.eval(got)
     with metal.disabled():
         chunked = kda_chunked(*args, chunk_size=chunk_size)
@@ -57,8 +57,8 @@ def check(backend, got, chunked, recurrent, launches=1):
     backend.assert_clean()
 
 
-# (B, T, H, Dk, Dv, chunk, left pads per row, threadgroup columns): T not a multiple of the chunk, T < chunk,
-# ragged batches, Dk = Dv = 128, Dk != Dv, threadgroups that do not divide Dv.
+# (B, T, H, Dk, Dv, chunk, left pads per row, SIMD-groups per threadgroup): T not a multiple of the chunk, T < chunk,
+# ragged batches, Dk = Dv = 128, Dk != Dv, threadgroups that do not divide the Dv / 8 tiles.
 SHAPES = {
     "ragged_T21_C8_tg3": (2, 21, 2, 64, 64, 8, (0, 5), 3),
     "T5_lt_chunk": (1, 5, 2, 64, 64, 8, (0,), 4),
@@ -133,9 +133,10 @@ def test_disabled_falls_back_to_pure_path():
     [
         (48, 64, 8, 4, mx.float32, r"multiples of 32.*Dk=48"),
         (64, 40, 8, 4, mx.float32, r"multiples of 32.*Dv=40"),
-        (64, 64, 12, 4, mx.float32, "chunk_size must be a power of two"),
-        (64, 64, 128, 4, mx.float32, "chunk_size must be a power of two <= 64"),
-        (64, 64, 8, 0, mx.float32, "threadgroup_cols"),
+        (64, 64, 12, 4, mx.float32, "chunk_size must be 8, 16, 32 or 64"),
+        (64, 64, 4, 4, mx.float32, "chunk_size must be 8, 16, 32 or 64"),
+        (64, 64, 128, 4, mx.float32, "chunk_size must be 8, 16, 32 or 64"),
+        (64, 64, 8, 0, mx.float32, "simdgroups"),
         (64, 64, 8, 4, mx.int32, "v dtype"),
     ],
 )
@@ -144,7 +145,7 @@ def test_bad_input_errors(Dk, Dv, chunk, tg, dtype, match):
     q = mx.zeros((1, 9, 1, Dk))
     v = mx.zeros((1, 9, 1, Dv), dtype=dtype)
     with pytest.raises(ValueError, match=match):
-        kda_chunked_metal(q, q, v, q, mx.zeros((1, 9, 1)), chunk_size=chunk, threadgroup_cols=tg)
+        kda_chunked_metal(q, q, v, q, mx.zeros((1, 9, 1)), chunk_size=chunk, simdgroups=tg)
 
 
 def scan_launches(backend) -> int:

@@ -31,20 +31,20 @@ metal.register(KERNEL_NAME)
 _OUT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
-def _check(q: mx.array, v: mx.array, chunk_size: int, threadgroup_cols: int) -> None:
+def _check(q: mx.array, v: mx.array, chunk_size: int, simdgroups: int) -> None:
     """Errors the kernel cannot handle, raised before any work (shapes themselves are checked by ``_prepare``)."""
     Dk, Dv = q.shape[-1], v.shape[-1]
     if Dk % 32 or Dv % 32 or Dk == 0 or Dv == 0:
         raise ValueError(
-            f"kda_chunked_metal: head dims must be positive multiples of 32 (the kernel splits Dk over 32 SIMD lanes), "
+            f"kda_chunked_metal: head dims must be positive multiples of 32 (the kernel works on 8x8 tiles), "
             f"got Dk={Dk} (q {q.shape}) and Dv={Dv} (v {v.shape})"
         )
     if v.dtype not in _OUT_DTYPES:
         raise ValueError(f"kda_chunked_metal: v dtype {v.dtype} not supported (float32, float16 or bfloat16)")
-    if chunk_size < 1 or chunk_size & (chunk_size - 1) or chunk_size > 64:
-        raise ValueError(f"kda_chunked_metal: chunk_size must be a power of two <= 64, got {chunk_size}")
-    if not 1 <= threadgroup_cols <= 32:
-        raise ValueError(f"kda_chunked_metal: threadgroup_cols must be in [1, 32], got {threadgroup_cols}")
+    if chunk_size not in (8, 16, 32, 64):
+        raise ValueError(f"kda_chunked_metal: chunk_size must be 8, 16, 32 or 64, got {chunk_size}")
+    if not 1 <= simdgroups <= 32:
+        raise ValueError(f"kda_chunked_metal: simdgroups (per threadgroup) must be in [1, 32], got {simdgroups}")
 
 
 def _to_chunks(x: mx.array, n_chunks: int, chunk_size: int) -> mx.array:
@@ -62,21 +62,21 @@ def kda_chunked_metal(
     state: mx.array | None = None,
     mask: mx.array | None = None,
     chunk_size: int = _kda.DEFAULT_CHUNK_SIZE,
-    threadgroup_cols: int = 4,
+    simdgroups: int = 4,
 ) -> tuple[mx.array, mx.array]:
     """Chunked KDA with the inter-chunk recurrence in a Metal kernel; falls back to ``kda_chunked`` when kernels are
     not enabled (``kimi_mlx.metal.enabled()``).
 
     Args:
         q, k, g, v, beta, state, mask: as ``kda_chunked`` (Dk and Dv multiples of 32).
-        chunk_size: tokens per chunk, a power of two <= 64; T need not be a multiple.
-        threadgroup_cols: Dv columns (SIMD-groups of 32 threads) per threadgroup; need not divide Dv.
+        chunk_size: tokens per chunk, 8, 16, 32 or 64; T need not be a multiple.
+        simdgroups: SIMD-groups per threadgroup, each one 8-column tile of Dv; need not divide Dv / 8.
 
     Returns:
         ``(o [B, T, H, Dv] in v.dtype, final state [B, H, Dv, Dk] float32)``.
     """
     C = int(chunk_size)
-    _check(q, v, C, threadgroup_cols)
+    _check(q, v, C, simdgroups)
     kernel = metal.kernel(KERNEL_NAME)
     if kernel is None:
         return _kda.kda_chunked(q, k, v, g, beta, state=state, mask=mask, chunk_size=C)
@@ -110,8 +110,8 @@ def kda_chunked_metal(
         o, state = kernel(
             inputs=[wq, uo, kgm, decay, state, mask[:, t0:t1], Tg],
             template=template,
-            grid=(32, Dv, B * H),
-            threadgroup=(32, threadgroup_cols, 1),
+            grid=(32, Dv // 8, B * H),
+            threadgroup=(32, simdgroups, 1),
             output_shapes=[(B, Tg, H, Dv), (B, H, Dv, Dk)],
             output_dtypes=[out_dtype, mx.float32],
         )
