@@ -9,6 +9,7 @@
 // Dk/8 float 8x8 simdgroup matrices and does every product above as 8x8x8 multiply-accumulates (float32). Lane
 // layout of an 8x8 matrix (MLX steel's BaseMMAFrag::get_coord): lane l holds row (l/4 & 4) + (l/2) % 4, columns
 // (l/4 & 2) * 2 + (l % 2) * 2 and +1, as thread_elements()[0] and [1]. No threadgroup memory, no barriers.
+// Pointers into buffers are `auto`, so they keep each buffer's address space (mask may be `constant`: < 8 elements).
 //
 // Grid (32, Dv / 8, B * H); threadgroup (32, SG, 1) for any SG (SIMD-groups of independent tiles; edge groups partial).
 // Template: OutT (output dtype), C (chunk size, a multiple of 8), Dk, Dv, H (ints; Dk, Dv multiples of 8).
@@ -40,7 +41,7 @@ const int row = ((lane / 4) & 4) + (lane / 2) % 4;
 const int col = ((lane / 4) & 2) * 2 + (lane % 2) * 2;
 
 // S[kb] = S[kb*8 .. +8, v0 .. +8] = state_in[v0 .. +8, kb*8 .. +8]^T.
-const device float* st_in = state_in + size_t(bh) * Dv * Dk;
+auto st_in = state_in + size_t(bh) * Dv * Dk;
 simdgroup_float8x8 s[KB];
 for (int kb = 0; kb < KB; ++kb) {
   simdgroup_load(s[kb], st_in, Dk, ulong2(kb * 8, v0), true);
@@ -51,10 +52,10 @@ simdgroup_float8x8 a;
 simdgroup_float8x8 acc;
 for (int n = 0; n < n_chunks; ++n) {
   const size_t cb = size_t(n) * BH + bh;
-  const device float* wq_ = wq + cb * (2 * C * Dk);
-  const device float* uo_ = uo + cb * (2 * C * Dv);
-  const device float* kg_ = kg + cb * (C * Dk);
-  const device float* decay_ = decay + cb * Dk;
+  auto wq_ = wq + cb * (2 * C * Dk);
+  auto uo_ = uo + cb * (2 * C * Dv);
+  auto kg_ = kg + cb * (C * Dk);
+  auto decay_ = decay + cb * Dk;
 
   // Vnew = U - W S (row blocks 0 .. RB-1 of WQ / UO).
   for (int rb = 0; rb < RB; ++rb) {
@@ -78,7 +79,7 @@ for (int n = 0; n < n_chunks; ++n) {
     const int t = n * C + rb * 8 + row;
     if (t < T) {
       const bool live = mask[size_t(b) * T + t];
-      device OutT* o_ = o + ((size_t(b) * T + t) * H + h) * Dv + v0 + col;
+      auto o_ = o + ((size_t(b) * T + t) * H + h) * Dv + v0 + col;
       o_[0] = live ? static_cast<OutT>(acc.thread_elements()[0]) : OutT(0);
       o_[1] = live ? static_cast<OutT>(acc.thread_elements()[1]) : OutT(0);
     }
@@ -96,7 +97,7 @@ for (int n = 0; n < n_chunks; ++n) {
   }
 }
 
-device float* st_out = state_out + size_t(bh) * Dv * Dk;
+auto st_out = state_out + size_t(bh) * Dv * Dk;
 for (int kb = 0; kb < KB; ++kb) {
   simdgroup_store(s[kb], st_out, Dk, ulong2(kb * 8, v0), true);
 }
