@@ -3,7 +3,7 @@
 
 Usage in a test module::
 
-    from metal_support import kernels, strict_kernels, assert_matches  # noqa: F401  (fixtures)
+    from metal_support import assert_matches, kernels_fixture, strict_kernels_fixture  # noqa: F401  (fixtures)
 
     def test_x(kernels):
         with kernels.active():                  # kimi_mlx.metal.kernel(...) returns the real / emulated kernel
@@ -21,7 +21,6 @@ outputs) with the uninitialised threadgroup-memory and local-variable checks on.
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 from collections.abc import Iterator
 
@@ -59,37 +58,40 @@ class KernelBackend:
         self.name = backend_name()
         self.checks = checks
         self.results = []  # metal_emu.EmuResult of every emulated launch
-        self.launches = 0
+        self.launched: list[str] = []  # kernel name (``kimi_<file stem>``) of every emulated launch
 
     def _factory(self, **spec):
-        if str(EMU_DIR) not in sys.path:
-            sys.path.insert(0, str(EMU_DIR))
-        import metal_emu
+        """Builds a kernel (real, or emulated with ``checks``) whose launches are recorded."""
+        if self.name == "gpu":
+            k = mx.fast.metal_kernel(**spec)
+        else:
+            if str(EMU_DIR) not in sys.path:
+                sys.path.insert(0, str(EMU_DIR))
+            import metal_emu
 
-        k = metal_emu.metal_kernel(**spec, **self.checks)
+            k = metal_emu.metal_kernel(**spec, **self.checks)
 
-        @functools.wraps(k.__call__)
         def launch(**kw):
             out = k(**kw)
-            self.results.append(k.last_result)
-            self.launches += 1
+            if self.name == "emulator":
+                self.results.append(k.last_result)
+            self.launched.append(spec["name"])
             return out
 
         return launch
 
     @contextlib.contextmanager
     def active(self) -> Iterator[KernelBackend]:
-        """Within the block the ops dispatch to the kernels (default device: the GPU, or the emulator)."""
+        """Within the block the ops dispatch to the kernels (through ``kimi_mlx.metal.emulated`` with a recording
+        factory, also on a GPU, which then is the default device)."""
+        old = mx.default_device()
         if self.name == "gpu":
-            old = mx.default_device()
             mx.set_default_device(mx.gpu)
-            try:
-                yield self
-            finally:
-                mx.set_default_device(old)
-        else:
+        try:
             with metal.emulated(self._factory):
                 yield self
+        finally:
+            mx.set_default_device(old)
 
     def diagnostics(self) -> list:
         """Every warning/error the emulator reported, as ``"kernel: diagnostic"`` strings."""
@@ -106,16 +108,20 @@ class KernelBackend:
         assert not diags, "emulator diagnostics:\n" + "\n".join(diags)
 
 
-@pytest.fixture
-def kernels() -> KernelBackend:
+@pytest.fixture(name="kernels")
+def kernels_fixture() -> KernelBackend:
     """Kernels on the GPU, or in the emulator with its default checks (bounds, unwritten outputs, crash guard)."""
     return KernelBackend()
 
 
-@pytest.fixture
-def strict_kernels() -> KernelBackend:
+@pytest.fixture(name="strict_kernels")
+def strict_kernels_fixture() -> KernelBackend:
     """Kernels on the GPU, or in the emulator under three schedules with the uninitialised-memory checks on."""
     return KernelBackend(**STRICT_CHECKS)
+
+
+# Fixtures are imported by name into test modules; the ``_fixture`` spellings avoid shadowing the argument names.
+kernels, strict_kernels = kernels_fixture, strict_kernels_fixture
 
 
 def _ulp(x: np.ndarray, dtype: mx.Dtype) -> np.ndarray:
