@@ -234,6 +234,7 @@ class ReplyParser:
             self._state = "content"
         self._call: _PendingCall | None = None
         self._events: list[ReplyEvent] = []
+        self._held_ws = ""
 
     @property
     def reply(self) -> Reply:
@@ -284,8 +285,21 @@ class ReplyParser:
             self._events.append(ReplyEvent(kind, text))
 
     def _warn(self, message: str):
-        self._reply.warnings.append(message)
-        self._events.append(ReplyEvent("warning", message))
+        """Record a warning once (repeats of the same message are dropped, so chunking never changes the list)."""
+        if message not in self._reply.warnings:
+            self._reply.warnings.append(message)
+            self._events.append(ReplyEvent("warning", message))
+
+    def _stray_text(self, text: str, where: str):
+        """Text where none belongs: whitespace is held (dropped at the next marker), anything else becomes content
+        (with the whitespace held before it; trailing whitespace is held) and a warning."""
+        body = text.rstrip()
+        if not body:
+            self._held_ws += text
+            return
+        self._warn(f"text {where} kept as content")
+        self._emit("content", self._held_ws + body)
+        self._held_ws = text[len(body) :]
 
     def _run(self, items: list[tuple[str, str]]) -> list[ReplyEvent]:
         for kind, text in items:
@@ -321,16 +335,17 @@ class ReplyParser:
             elif state == "json":
                 call.json_block += text
             elif text.strip():
-                call.broken = call.broken or f"unexpected text {text.strip()[:40]!r} between its arguments"
-        elif text.strip():
-            where = "after the end of the message" if state == "done" else f"outside a section ({state})"
-            self._warn(f"text {where} kept as content")
-            self._emit("content", text)
+                call.broken = call.broken or "unexpected text between its arguments"
+        else:
+            self._stray_text(
+                text, "after the end of the message" if state == "done" else f"outside a section ({state})"
+            )
 
     def _k3_item(self, kind: str, raw: str):
         if kind == "text":
             self._k3_text(raw)
             return
+        self._held_ws = ""
         tag = ("eom", "", {}) if raw == END_OF_MSG else (None if kind == "stray" else _parse_tag(raw))
         if tag is None:
             if self._state in ("call", "arg", "json"):
@@ -464,11 +479,10 @@ class ReplyParser:
         if kind != "marker":
             if state == "content":
                 self._emit("content", raw)
-            elif raw.strip():
-                where = "after the end of the message" if state == "done" else "inside the tool-call section"
-                self._warn(f"text {where} kept as content")
-                self._emit("content", raw)
+            else:
+                self._stray_text(raw, "after the end of the message" if state == "done" else "in the tool-call section")
             return
+        self._held_ws = ""
         if raw == IM_END and state != "done":
             self._state = "done"
         elif raw == TOOL_CALLS_BEGIN and state == "content":
