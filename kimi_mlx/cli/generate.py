@@ -1,61 +1,201 @@
-"""``kimi-mlx generate``: one completion from a prompt, streamed to stdout, stats to stderr."""
+"""``kimi-mlx generate``: one completion from a prompt, streamed to stdout, stats to stderr (or all of it as JSON).
+
+Also the model-loading and sampling options shared with ``kimi-mlx chat`` (``add_model_args``, ``add_sampling_args``,
+``load_from_args``, ``sampling_from_args``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import threading
+import time
 
 import mlx.core as mx
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
-def add_parser(commands) -> None:
-    p = commands.add_parser("generate", help="generate text from a prompt",
-                            description="Generate text with a Kimi Linear model.")
-    p.add_argument("--model", required=True, help="model directory, HF repo id, or 'demo' (built-in tiny model)")
-    p.add_argument("--prompt", "-p", default="Hello", help="prompt text ('-' reads stdin)")
-    p.add_argument("--max-tokens", "-m", type=int, default=100)
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --dtype, --quantize, --q-group-size."""
+    p.add_argument("--model", required=True,
+                   help="model directory, HF repo id, GGUF file, or 'demo' (built-in tiny model)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast float weights (default: as stored)")
+    p.add_argument("--quantize", type=int, default=None, metavar="BITS",
+                   help="quantize weights on load (affine; 2, 3, 4, 5, 6 or 8 bits)")
+    p.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128))
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    """--max-tokens, --temp, --top-p, --top-k, --min-p, --repetition-penalty, --seed."""
+    p.add_argument("--max-tokens", "-m", type=int, default=max_tokens)
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast float weights (default: as stored)")
-    p.add_argument("--quantize", type=int, default=None, metavar="BITS",
-                   help="quantize weights on load (affine; 2, 3, 4, 5, 6 or 8 bits)")
-    p.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128))
+
+
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """--system, --think/--no-think, --effort, --chat-format."""
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                   help="Kimi-K3: reasoning on/off (default: on for K3)")
+    p.add_argument("--effort", choices=("low", "high", "max"), default=None, help="Kimi-K3 thinking effort")
+    p.add_argument("--chat-format", choices=("kimi_linear", "kimi_k3"), default=None,
+                   help="override the chat format detected from the tokenizer")
+
+
+def sampling_from_args(args: argparse.Namespace) -> dict:
+    """Keyword arguments of ``stream_generate`` for the sampling flags (and seeds MLX's generator)."""
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    return {"temp": args.temp, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+            "repetition_penalty": args.repetition_penalty}
+
+
+def load_from_args(args: argparse.Namespace, progress: bool = True):
+    """``(model, tokenizer)`` for the model flags; ``progress`` shows an elapsed-time indicator on stderr."""
+    from ..loading import load
+
+    quantize = None if args.quantize is None else {"bits": args.quantize, "group_size": args.q_group_size}
+    done = threading.Event()
+    tic = time.perf_counter()
+
+    def spin():
+        frames = "|/-\\"
+        i = 0
+        while not done.wait(0.2):
+            print(f"\rloading {args.model} {frames[i % 4]} {time.perf_counter() - tic:.1f}s", end="",
+                  file=sys.stderr, flush=True)
+            i += 1
+
+    spinner = threading.Thread(target=spin, daemon=True) if progress and sys.stderr.isatty() else None
+    if spinner:
+        spinner.start()
+    try:
+        return load(args.model, dtype=DTYPES.get(args.dtype), quantize=quantize)
+    finally:
+        done.set()
+        if spinner:
+            spinner.join()
+            print(f"\rloaded {args.model} in {time.perf_counter() - tic:.1f}s" + " " * 8, file=sys.stderr)
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser("generate", help="generate text from a prompt",
+                            description="Generate text with a Kimi Linear / Kimi-K3 model.")
+    add_model_args(p)
+    p.add_argument("--prompt", "-p", default="Hello", help="prompt text ('-' reads stdin)")
+    add_sampling_args(p, max_tokens=100)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat format")
+    add_chat_args(p)
+    p.add_argument("--prompt-cache", default=None, metavar="FILE",
+                   help="reuse the prompt cache in FILE when the prompt starts with its tokens; if FILE does not "
+                        "exist, save the prompt's cache there first")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, reasoning, content, tool_calls, stats) instead of streaming")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
     p.set_defaults(run=run)
 
 
+def _prompt_tokens(args: argparse.Namespace, tokenizer) -> list[int]:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not args.chat:
+        for flag, value in (("--system", args.system), ("--think/--no-think", args.think), ("--effort", args.effort)):
+            if value is not None:
+                raise ValueError(f"{flag} needs --chat (it applies to the chat format)")
+        return tokenizer.encode(prompt)
+    from ..chat_format import render_chat
+
+    messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
+        {"role": "user", "content": prompt}]
+    return render_chat(tokenizer, messages, thinking=args.think, thinking_effort=args.effort,
+                       add_generation_prompt=True, chat_format=args.chat_format)
+
+
+def _prompt_cache(args: argparse.Namespace, model, tokens: list[int]):
+    """(cache, tokens still to feed): reuses or creates ``--prompt-cache``; None when the flag is not given."""
+    from pathlib import Path
+
+    from ..prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
+
+    path = Path(args.prompt_cache)
+    if path.exists():
+        loaded = load_prompt_cache(path, model)
+        n = len(loaded.tokens)
+        if n >= len(tokens) or tokens[:n] != loaded.tokens:
+            raise PromptCacheError(
+                f"{path}: its {n} cached tokens are not a strict prefix of this prompt's {len(tokens)} tokens "
+                "(give a prompt that extends the cached one, or a new file)"
+            )
+        return loaded.cache, tokens[n:]
+    cache = model.make_cache()
+    head = tokens[:-1]
+    for start in range(0, len(head), 2048):
+        model(mx.array(head[start : start + 2048])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    save_prompt_cache(path, model, cache, head)
+    return cache, tokens[-1:]
+
+
 def run(args: argparse.Namespace) -> int:
     from ..generate import stream_generate
-    from ..loading import load
+    from ..prompt_cache import PromptCacheError
 
-    if args.seed is not None:
-        mx.random.seed(args.seed)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    quantize = None if args.quantize is None else {"bits": args.quantize, "group_size": args.q_group_size}
     try:
-        model, tokenizer = load(args.model, dtype=DTYPES.get(args.dtype), quantize=quantize)
-    except (OSError, ValueError) as e:
+        sampling = sampling_from_args(args)
+        model, tokenizer = load_from_args(args, progress=not (args.quiet or args.json))
+        tokens = _prompt_tokens(args, tokenizer)
+        cache, feed = _prompt_cache(args, model, tokens) if args.prompt_cache else (None, tokens)
+    except (OSError, ValueError, PromptCacheError) as e:
         print(f"kimi-mlx: error: {e}", file=sys.stderr)
         return 2
-    last = None
-    for last in stream_generate(
-        model, tokenizer, prompt, args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop_strings=args.stop,
-    ):
-        print(last.text, end="", flush=True)
+    parser = None
+    if args.chat:
+        from ..chat_format import detect_chat_format
+        from ..chat_parser import ReplyParser
+
+        fmt = args.chat_format or detect_chat_format(tokenizer)
+        parser = ReplyParser(fmt, thinking=args.think)
+    tic = time.perf_counter()
+    text, last, first_s = "", None, None
+    for last in stream_generate(model, tokenizer, feed, args.max_tokens, stop_strings=args.stop, prompt_cache=cache,
+                                **sampling):
+        first_s = first_s or time.perf_counter() - tic
+        text += last.text
+        if parser is not None:
+            parser.feed(last.text)
+        if not args.json:
+            print(last.text, end="", flush=True)
+    stats = {
+        "prompt_tokens": len(tokens), "prefill_tokens": len(feed),
+        "prompt_tps": len(feed) / first_s if first_s else 0.0,
+        "generation_tokens": last.generation_tokens if last else 0,
+        "generation_tps": last.generation_tps if last else 0.0,
+        "peak_memory_gb": last.peak_memory if last else 0.0, "finish_reason": last.finish_reason if last else None,
+    }
+    if args.json:
+        reply = None
+        if parser is not None:
+            parser.finish()
+            reply = parser.reply
+        out = {"text": text, "reasoning": reply.reasoning if reply else None,
+               "content": reply.content if reply else text,
+               "tool_calls": [c.to_dict() for c in reply.tool_calls] if reply else [],
+               "warnings": reply.warnings if reply else [], "stats": stats}
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
     print()
     if last is not None and not args.quiet:
         print(
-            f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | "
-            f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s | "
-            f"peak memory: {last.peak_memory:.3f} GB | finish: {last.finish_reason}",
+            f"prompt: {stats['prompt_tokens']} tokens ({stats['prefill_tokens']} prefilled), "
+            f"{stats['prompt_tps']:.1f} tok/s | generation: {stats['generation_tokens']} tokens, "
+            f"{stats['generation_tps']:.1f} tok/s | peak memory: {stats['peak_memory_gb']:.3f} GB | "
+            f"finish: {stats['finish_reason']}",
             file=sys.stderr,
         )
     return 0

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import convert, generate
+from . import chat, convert, generate
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kimi-mlx", description="Kimi Linear / Kimi-K3 on MLX")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(commands)
+    chat.add_parser(commands)
     convert.add_parser(commands)
     args = parser.parse_args(argv)
     return args.run(args)

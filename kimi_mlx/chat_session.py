@@ -1,0 +1,364 @@
+"""A multi-turn chat with one model cache: turns, cache reuse, regenerate/undo via checkpoints, save/load, stats.
+
+No terminal code here (``kimi_mlx.cli.chat`` is the REPL). The session keeps the conversation as OpenAI-style
+messages (``kimi_mlx.chat_format``) and the exact token history the cache has seen (``session.tokens``; invariant:
+``session.cache.offset == len(session.tokens)``). A new turn renders the whole conversation and prefills only what the
+cache has not seen:
+
+- the cache's tokens are a prefix of the rendering (the usual case): prefill just the new tokens;
+- otherwise (``/regenerate``, ``/undo``, an edited system prompt, a reply the renderer writes differently from how it
+  was generated): restore the latest cache checkpoint that is a prefix of the rendering and prefill from there,
+  falling back to a full prefill when no checkpoint fits (checkpoints are bounded, see ``HybridCache``).
+
+Checkpoints are taken before the last prompt token of every turn (so a regenerate reuses the whole prompt) and after
+every reply. ``send`` / ``regenerate`` / ``tool_results`` are generators of ``ChatEvent`` (reasoning / content text
+deltas, tool calls); stopping one early (Ctrl-C, ``close()``) keeps the partial reply and a consistent cache.
+
+    session = ChatSession(model, tokenizer, system="Be brief.", max_tokens=256, sampling={"temp": 0.7})
+    for event in session.send("Hello!"):
+        print(event.text, end="")
+    session.last.stats            # TurnStats: prompt/prefill/reused tokens, tok/s, peak memory, finish reason
+    session.save("chat.safetensors"); ChatSession.load("chat.safetensors", model, tokenizer)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from .chat_format import detect_chat_format, render_chat
+from .chat_parser import ReplyEvent, ReplyParser
+from .generate import stream_generate
+from .prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
+
+SESSION_KEY = "chat_session"  # prompt-cache file metadata key holding the session as JSON
+STOP_MARKERS = {"kimi_linear": "<|im_end|>", "kimi_k3": "<|end_of_msg|>"}
+THINKING_EFFORTS = ("low", "high", "max")
+
+
+class ContextFullError(RuntimeError):
+    """The conversation no longer fits the session's ``max_kv_size``."""
+
+
+@dataclass
+class ChatEvent:
+    """One piece of a streamed reply: ``kind`` is "reasoning" or "content" (``text`` is the delta), "tool_call"
+    (``tool_call`` is ``{"id", "type", "function": {"name", "arguments"}}``) or "warning" (malformed output kept as
+    content; ``text`` says what)."""
+
+    kind: str
+    text: str = ""
+    tool_call: Optional[dict] = None
+
+
+@dataclass
+class TurnStats:
+    """prompt_tokens: the whole rendered prompt; prefill_tokens: the part actually prefilled this turn (the rest,
+    reused_tokens, came from the cache); prompt_tps = prefill_tokens / prefill_s (prefill_s runs until the first
+    reply token); finish_reason: "stop", "length", "context" (max_kv_size reached) or "interrupted"."""
+
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
+    prefill_s: float = 0.0
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    peak_memory_gb: float = 0.0
+    finish_reason: str = ""
+
+
+@dataclass
+class Turn:
+    """The last reply: the assistant message added to the conversation, the turn's stats, the reply's token ids
+    (``tokens``, including a stop token) and its tool calls (OpenAI-style dicts)."""
+
+    message: dict
+    stats: TurnStats
+    tokens: list[int]
+    tool_calls: list = field(default_factory=list)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class ChatSession:
+    """One conversation with ``model``; see the module doc.
+
+    system: system prompt (None: the format's default). tools: OpenAI-style tool declarations. thinking /
+    thinking_effort: Kimi-K3 only (None: the format's defaults). chat_format: None detects it from the tokenizer.
+    max_tokens: reply limit. max_kv_size: limit on the tokens in the cache (None: unlimited). sampling: keyword
+    arguments of ``stream_generate`` (temp, top_p, top_k, min_p, repetition_penalty).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        system: Optional[str] = None,
+        tools: Optional[list] = None,
+        thinking: Optional[bool] = None,
+        thinking_effort: Optional[str] = None,
+        chat_format: Optional[str] = None,
+        max_tokens: int = 512,
+        max_kv_size: Optional[int] = None,
+        max_checkpoints: int = 8,
+        sampling: Optional[dict] = None,
+        prefill_step_size: int = 2048,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.chat_format = chat_format or detect_chat_format(tokenizer)
+        if self.chat_format not in STOP_MARKERS:
+            raise ValueError(f"chat_format={self.chat_format!r}: expected one of {', '.join(STOP_MARKERS)}")
+        self.system, self.tools = system, tools
+        self.thinking, self.thinking_effort = None, None
+        self.set_thinking(thinking)
+        self.set_effort(thinking_effort)
+        if max_kv_size is not None and max_kv_size < 2:
+            raise ValueError(f"max_kv_size must be >= 2, got {max_kv_size}")
+        self.max_tokens, self.max_kv_size = max_tokens, max_kv_size
+        self.sampling = dict(sampling or {})
+        self.prefill_step_size = prefill_step_size
+        self.messages: list[dict] = []
+        self.tokens: list[int] = []
+        self.cache = model.make_cache(max_checkpoints=max_checkpoints)
+        self.last: Optional[Turn] = None
+        self.turns = 0
+        marker = tokenizer.special_tokens.get(STOP_MARKERS[self.chat_format]) if hasattr(
+            tokenizer, "special_tokens") else None
+        self.stop_tokens = [marker] if marker is not None else []
+
+    # ----- settings
+    def set_thinking(self, on: Optional[bool]) -> None:
+        """Turn K3 thinking on/off (None: the format's default); Kimi Linear has no thinking section."""
+        if on and self.chat_format != "kimi_k3":
+            raise ValueError("thinking: this model's chat format (Kimi Linear) has no thinking section")
+        self.thinking = on
+
+    def set_effort(self, effort: Optional[str]) -> None:
+        """Set the K3 thinking effort (low/high/max; None: the format's default)."""
+        if effort is not None:
+            if self.chat_format != "kimi_k3":
+                raise ValueError("thinking effort: this model's chat format (Kimi Linear) has no thinking effort")
+            if effort not in THINKING_EFFORTS:
+                raise ValueError(f"thinking effort {effort!r}: expected one of {', '.join(THINKING_EFFORTS)}")
+        self.thinking_effort = effort
+
+    # ----- conversation
+    def conversation(self) -> list[dict]:
+        """The messages as rendered: the system prompt (when set) followed by the turns."""
+        head = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return head + self.messages
+
+    def render(self, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the whole conversation in the model's chat format."""
+        return render_chat(
+            self.tokenizer, self.conversation(), tools=self.tools, thinking=self.thinking,
+            thinking_effort=self.thinking_effort, add_generation_prompt=add_generation_prompt,
+            chat_format=self.chat_format,
+        )
+
+    def send(self, text: str, max_tokens: Optional[int] = None) -> Iterator[ChatEvent]:
+        """Add a user message and stream the reply."""
+        return self._turn([{"role": "user", "content": text}], max_tokens)
+
+    def tool_results(self, results: Sequence[tuple[dict, str]], max_tokens: Optional[int] = None) -> Iterator[ChatEvent]:
+        """Add ``(call, result text)`` for the last reply's tool calls (``Turn.tool_calls`` entries) and stream the
+        model's next reply."""
+        messages = [
+            {"role": "tool", "tool_call_id": call.get("id"), "name": call["function"]["name"], "content": content}
+            for call, content in results
+        ]
+        return self._turn(messages, max_tokens)
+
+    def regenerate(self, max_tokens: Optional[int] = None) -> Iterator[ChatEvent]:
+        """Drop the last assistant reply and stream a new one (the prompt is restored from a checkpoint)."""
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            raise ValueError("nothing to regenerate: the conversation does not end with a reply")
+        self.messages.pop()
+        return self._turn([], max_tokens)
+
+    def undo(self) -> int:
+        """Remove the last exchange (the last user message and everything after it); returns how many messages went.
+        The cache rolls back at the next turn (to a checkpoint when one fits)."""
+        users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+        if not users:
+            raise ValueError("nothing to undo: no user message yet")
+        removed = len(self.messages) - users[-1]
+        del self.messages[users[-1]:]
+        self.last = None
+        return removed
+
+    def reset(self) -> None:
+        """Forget the conversation (settings stay) and empty the cache."""
+        self.messages, self.tokens, self.last = [], [], None
+        self.cache.reset()
+
+    # ----- the turn
+    def _prefill(self, tokens: Sequence[int]) -> None:
+        for start in range(0, len(tokens), self.prefill_step_size):
+            chunk = list(tokens[start : start + self.prefill_step_size])
+            self.model(mx.array(chunk)[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.tokens.extend(chunk)
+
+    def _rewind(self, target: Sequence[int]) -> int:
+        """Roll the cache back to the longest state that is a prefix of ``target[:-1]``; returns its length."""
+        limit = min(_common_prefix(self.tokens, target), len(target) - 1)
+        if len(self.tokens) <= limit:
+            return len(self.tokens)
+        fits = [cp for cp in self.cache.checkpoints if cp.offset <= limit]
+        if fits:
+            cp = max(fits, key=lambda c: c.offset)
+            self.cache.restore(cp)
+            del self.tokens[cp.offset :]
+        else:
+            self.cache.reset()
+            self.tokens = []
+        return len(self.tokens)
+
+    def _settle(self, target: Optional[Sequence[int]] = None) -> None:
+        """After a turn (maybe interrupted mid-step): make the cache consistent with ``self.tokens`` again, rolling
+        back to a checkpoint (or empty) when a model call was cut short; then, given ``target`` (a continuation of
+        the tokens seen), make the cache hold exactly ``target``."""
+        if target is not None and {c.offset for c in self.cache} == {len(target)}:
+            self.tokens = list(target)  # the generator fed every yielded token: nothing to redo
+            return
+        if {c.offset for c in self.cache} != {len(self.tokens)}:
+            fits = [cp for cp in self.cache.checkpoints if cp.offset <= len(self.tokens)]
+            if fits:
+                cp = max(fits, key=lambda c: c.offset)
+                self.cache.restore(cp)
+                del self.tokens[cp.offset :]
+            else:
+                self.cache.reset()
+                self.tokens = []
+        if target is not None:
+            self._rewind(list(target) + [0])
+            self._prefill(target[len(self.tokens) :])
+
+    def _turn(self, new_messages: list[dict], max_tokens: Optional[int]) -> Iterator[ChatEvent]:
+        self.messages.extend(new_messages)
+        try:
+            prompt = self.render()
+        except (ValueError, TypeError):
+            del self.messages[len(self.messages) - len(new_messages) :]
+            raise
+        budget = self.max_tokens if max_tokens is None else max_tokens
+        if self.max_kv_size is not None:
+            room = self.max_kv_size - len(prompt)
+            if room < 1:
+                del self.messages[len(self.messages) - len(new_messages) :]
+                raise ContextFullError(
+                    f"context full: the conversation is {len(prompt)} tokens and the limit (max_kv_size) is "
+                    f"{self.max_kv_size}; /undo, /reset, or start with a larger --max-kv-size"
+                )
+            budget = min(budget, room)
+        return self._generate(prompt, budget, len(new_messages), budget < (max_tokens or self.max_tokens))
+
+    def _generate(self, prompt: list[int], budget: int, n_new: int, capped: bool) -> Iterator[ChatEvent]:
+        stats = TurnStats(prompt_tokens=len(prompt))
+        tic = time.perf_counter()
+        reply: list[int] = []
+        parser = ReplyParser(self.chat_format, thinking=self.thinking)
+        last = None
+        try:
+            stats.reused_tokens = self._rewind(prompt)
+            stats.prefill_tokens = len(prompt) - stats.reused_tokens
+            self._prefill(prompt[stats.reused_tokens : -1])
+            self.cache.checkpoint()
+            mx.reset_peak_memory()
+            for last in stream_generate(
+                self.model, self.tokenizer, prompt[-1:], budget, stop_tokens=self.stop_tokens,
+                prompt_cache=self.cache, **self.sampling,
+            ):
+                if not reply:
+                    stats.prefill_s = time.perf_counter() - tic
+                reply.append(last.token)
+                yield from _events(parser.feed(last.text))
+            yield from _events(parser.finish())
+            stats.finish_reason = last.finish_reason if last is not None else "stop"
+            if capped and stats.finish_reason == "length":
+                stats.finish_reason = "context"
+        finally:
+            if not stats.finish_reason:
+                stats.finish_reason = "interrupted"
+            if not reply:  # nothing generated (interrupted in the prefill): the turn did not happen
+                del self.messages[len(self.messages) - n_new :]
+                self._settle()
+            else:
+                self._settle(prompt + reply)
+                self.cache.checkpoint()
+                self._finish(parser, stats, last, reply)
+        if stats.finish_reason == "context":
+            raise ContextFullError(
+                f"context full: the reply stopped at the limit (max_kv_size {self.max_kv_size} tokens); "
+                "/undo, /reset, or start with a larger --max-kv-size"
+            )
+
+    def _finish(self, parser: ReplyParser, stats: TurnStats, last, reply: list[int]) -> None:
+        parser.finish()  # a no-op unless the stream was cut short
+        message = parser.reply.to_message()
+        self.messages.append(message)
+        stats.generation_tokens = len(reply)
+        if last is not None:
+            stats.generation_tps = last.generation_tps
+            stats.peak_memory_gb = last.peak_memory
+        if stats.prefill_s:
+            stats.prompt_tps = stats.prefill_tokens / stats.prefill_s
+        self.last = Turn(message, stats, list(reply), list(message.get("tool_calls") or []))
+        self.turns += 1
+
+    # ----- persistence and stats
+    def state(self) -> dict[str, Any]:
+        """The conversation and settings as plain JSON data (what ``save`` stores beside the cache)."""
+        return {
+            "messages": self.messages, "system": self.system, "tools": self.tools, "thinking": self.thinking,
+            "thinking_effort": self.thinking_effort, "chat_format": self.chat_format,
+        }
+
+    def save(self, path: Union[str, Path]) -> None:
+        """Write the cache, its token history and the conversation to one prompt-cache file."""
+        save_prompt_cache(path, self.model, self.cache, self.tokens, {SESSION_KEY: json.dumps(self.state())})
+
+    def load(self, path: Union[str, Path]) -> None:
+        """Replace this session's conversation, settings and cache with those saved in ``path``."""
+        loaded = load_prompt_cache(path, self.model, max_checkpoints=self.cache.max_checkpoints)
+        if SESSION_KEY not in loaded.metadata:
+            raise PromptCacheError(f"{path}: a prompt-cache file without a chat session (not written by /save)")
+        try:
+            state = json.loads(loaded.metadata[SESSION_KEY])
+            messages, fmt = list(state["messages"]), state["chat_format"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise PromptCacheError(f"{path}: the saved chat session is malformed ({e})") from None
+        if fmt != self.chat_format:
+            raise PromptCacheError(f"{path}: saved with chat format {fmt!r}, this session uses {self.chat_format!r}")
+        self.messages, self.system, self.tools = messages, state.get("system"), state.get("tools")
+        self.thinking, self.thinking_effort = state.get("thinking"), state.get("thinking_effort")
+        self.cache, self.tokens, self.last = loaded.cache, loaded.tokens, None
+        self.cache.checkpoint()
+
+    def stats(self) -> dict[str, Any]:
+        """Session totals: turns, messages, tokens in the cache, cache + checkpoint bytes, the last turn's stats."""
+        return {
+            "turns": self.turns, "messages": len(self.messages), "context_tokens": len(self.tokens),
+            "max_kv_size": self.max_kv_size, "checkpoints": len(self.cache.checkpoints),
+            "cache_mb": self.cache.nbytes / 1e6, "last": asdict(self.last.stats) if self.last else None,
+        }
+
+
+def _events(events: list[ReplyEvent]) -> Iterator[ChatEvent]:
+    """``ChatEvent``s of the parser's events (tool calls as OpenAI-style dicts)."""
+    for e in events:
+        yield ChatEvent(e.kind, e.text, e.tool_call.to_dict() if e.tool_call is not None else None)
