@@ -13,6 +13,7 @@ Public API (the format is detected from the tokenizer, overridable):
   add_generation_prompt, chat_format, start, ...) -> list[int]``;
   :func:`render_chat_text` (the same string for display/logs; never re-encode
   it with special-token parsing); :func:`render_chat_segments`.
+* :func:`turn_end_id` ``(tokenizer) -> int``: the stop token that ends an assistant turn.
 * ``tokenizer.apply_chat_template`` routes here for both formats.
 
 Messages are OpenAI-style dicts: ``role`` (system/user/assistant/tool),
@@ -53,8 +54,8 @@ when ``reply_ids`` is the canonical encoding of the reply (tested for both
 formats in ``tests/test_chat_format.py``). So a chat keeps the model cache and,
 for the next turn, prefills only ``render_chat(tok, msgs, start=k + 1)`` (with
 the same ``tools``/``thinking``/``thinking_effort`` as before), after feeding
-the reply's stop token (``<|im_end|>`` / ``<|end_of_msg|>``), which the
-generation loop samples but does not run through the model. The model then
+the reply's stop token (:func:`turn_end_id`: ``<|im_end|>`` / ``<|end_of_msg|>``),
+which the generation loop samples but does not run through the model. The model then
 sees exactly the tokens it generated, even where they are not canonical BPE.
 ``start=k`` omits the conversation preamble (tool declaration, default system
 prompt, thinking-effort message); ``start=len(msgs)`` gives just the
@@ -73,7 +74,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .chat_format_k3 import DEFAULT_THINKING_EFFORT, XTML_MARKERS, render_k3_segments
+from .chat_format_k3 import DEFAULT_THINKING_EFFORT, END_OF_MSG, XTML_MARKERS, render_k3_segments
 
 __all__ = [
     "CHAT_FORMATS",
@@ -89,6 +90,8 @@ __all__ = [
     "render_kimi_linear_segments",
     "render_kimi_linear_text",
     "segments_to_text",
+    "turn_end_id",
+    "turn_end_token",
 ]
 
 CHAT_FORMATS = ("kimi_linear", "kimi_k3")
@@ -124,6 +127,23 @@ def detect_chat_format(tokenizer) -> str:
     if not isinstance(specials, Mapping):
         specials = tokenizer.get_vocab()
     return "kimi_k3" if all(m in specials for m in XTML_MARKERS) else "kimi_linear"
+
+
+def turn_end_token(chat_format: str) -> str:
+    """The special token that ends an assistant turn (the stop token): ``<|im_end|>`` or ``<|end_of_msg|>``."""
+    if chat_format not in CHAT_FORMATS:
+        raise ValueError(f"chat_format={chat_format!r}: expected one of {', '.join(CHAT_FORMATS)}")
+    return IM_END if chat_format == "kimi_linear" else END_OF_MSG
+
+
+def turn_end_id(tokenizer, chat_format: str | None = None) -> int:
+    """Id of :func:`turn_end_token` in ``tokenizer`` (format detected unless given); a chat feeds it after a
+    reply that stopped on it, before the next turn's tokens (see the module docstring)."""
+    name = turn_end_token(chat_format if chat_format is not None else detect_chat_format(tokenizer))
+    tid = tokenizer.special_tokens.get(name)
+    if tid is None:
+        raise ValueError(f"this tokenizer's vocabulary has no {name!r} (wrong tokenizer for this chat format?)")
+    return tid
 
 
 def _tojson(obj: Any) -> str:

@@ -221,6 +221,7 @@ class ReplyParser:
             raise ValueError(f"chat_format={chat_format!r}: expected one of {', '.join(CHAT_FORMATS)}")
         self.chat_format = chat_format
         self._reply = Reply()
+        self._parts: dict[str, list[str]] = {"reasoning": [], "content": []}  # joined by ``reply``
         self._finished = False
         if chat_format == "kimi_k3":
             self._scanner = _Scanner((END_OF_MSG,), (OPEN, CLOSE), SEP)
@@ -239,6 +240,8 @@ class ReplyParser:
     @property
     def reply(self) -> Reply:
         """The reply parsed so far (text still held back as a possible marker is not in it)."""
+        self._reply.reasoning = "".join(self._parts["reasoning"])
+        self._reply.content = "".join(self._parts["content"])
         return self._reply
 
     def feed(self, delta: str) -> list[ReplyEvent]:
@@ -275,10 +278,7 @@ class ReplyParser:
     def _emit(self, kind: str, text: str):
         if not text:
             return
-        if kind == "reasoning":
-            self._reply.reasoning += text
-        else:
-            self._reply.content += text
+        self._parts[kind].append(text)
         if self._events and self._events[-1].kind == kind:
             self._events[-1].text += text
         else:

@@ -15,6 +15,7 @@ from kimi_mlx.chat_format import (
     render_chat,
     render_chat_segments,
     render_chat_text,
+    turn_end_id,
 )
 from kimi_mlx.chat_parser import parse_reply
 from kimi_mlx.tokenizer import load_kimi_tokenizer
@@ -280,7 +281,8 @@ def _check_prefix_extension(tok, turns, stop, **kw):
         messages += new_messages
         prompt = render_chat(tok, messages, **kw)
         k = len(messages)
-        reply_ids = tok.encode(reply_text + stop, allowed_special="all")
+        reply_ids = tok.encode(reply_text, allowed_special="all") + [turn_end_id(tok)]
+        assert tok.decode(reply_ids[-1:]) == stop
         reply = parse_reply(reply_text, fmt, thinking=kw.get("thinking"))
         assert reply.complete and not reply.warnings, reply
         messages.append(reply.to_message())
