@@ -87,7 +87,6 @@ MAX_CONSECUTIVE_CHARS = 25_000
 _LONG_RUN_RE = re.compile(r"\s{%d,}|\S{%d,}" % (MAX_CONSECUTIVE_CHARS + 1, MAX_CONSECUTIVE_CHARS + 1))
 
 
-
 class KimiTokenizerError(ValueError):
     """A tokenizer file is missing or malformed (the message names the file)."""
 
@@ -129,7 +128,9 @@ def load_tiktoken_ranks(path: Union[str, Path]) -> Dict[bytes, int]:
             continue
         parts = line.split()
         if len(parts) != 2:
-            raise KimiTokenizerError(f"{path}:{lineno}: malformed tiktoken line {line[:80]!r} (expected '<base64> <rank>')")
+            raise KimiTokenizerError(
+                f"{path}:{lineno}: malformed tiktoken line {line[:80]!r} (expected '<base64> <rank>')"
+            )
         try:
             token = base64.b64decode(parts[0], validate=True)
             rank = int(parts[1])
@@ -187,7 +188,9 @@ def load_special_tokens(
         cfg = dict(tokenizer_config)
     atd = cfg.get("added_tokens_decoder")
     if not isinstance(atd, dict) or not atd:
-        raise KimiTokenizerError(f"{path}: missing or empty 'added_tokens_decoder' (needed for Kimi's special token ids)")
+        raise KimiTokenizerError(
+            f"{path}: missing or empty 'added_tokens_decoder' (needed for Kimi's special token ids)"
+        )
     names: Dict[int, str] = {}
     flagged = set()
     for key, entry in atd.items():
