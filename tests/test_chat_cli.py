@@ -1,0 +1,152 @@
+"""``kimi-mlx chat`` driven through a pseudo-terminal (pexpect) on the demo model, and the REPL's display of
+reasoning / tool calls / warnings on a scripted event stream."""
+
+import io
+import re
+import sys
+
+import pexpect
+import pytest
+
+from kimi_mlx.chat_session import ChatEvent, Turn, TurnStats
+from kimi_mlx.cli.chat import Repl
+
+STATS = re.compile(
+    r"\[prompt (\d+) tok \((\d+) prefilled\) [\d.]+ tok/s \| generation (\d+) tok [\d.]+ tok/s \| "
+    r"peak memory [\d.]+ GB \| (\w+)\]"
+)
+PROMPT = ">>> "
+
+
+def _spawn(tmp_path, *flags) -> pexpect.spawn:
+    child = pexpect.spawn(
+        sys.executable, ["-m", "kimi_mlx.cli.main", "chat", "--model", "demo", *flags],
+        cwd=str(tmp_path), encoding="utf-8", timeout=120, dimensions=(50, 400),
+    )
+    child.expect(r"kimi-mlx chat: demo \(kimi_linear format\)")
+    child.expect_exact(PROMPT)
+    return child
+
+
+def _turn(child, line: str) -> tuple[str, tuple[int, int, int, str]]:
+    """Send ``line``; returns (the reply text shown, (prompt tokens, prefilled, generated, finish reason))."""
+    child.sendline(line)
+    child.expect(STATS)
+    shown = child.before.replace("\r\n", "\n").split("\n")
+    assert shown[0].endswith(line), shown
+    stats = child.match.groups()
+    child.expect_exact(PROMPT)
+    return "\n".join(shown[1:]).strip("\n"), (int(stats[0]), int(stats[1]), int(stats[2]), stats[3])
+
+
+def test_repl_two_turns_regenerate_save_load_exit(tmp_path):
+    """Two turns (the second prefills only its new tokens), /regenerate (1 token prefilled, same greedy reply),
+    /save, /reset, /load (4 messages back, the next turn reuses the loaded cache), /stats, Ctrl-D quits with 0."""
+    child = _spawn(tmp_path, "--max-tokens", "24", "--system", "Be brief.")
+    reply1, (p1, f1, g1, why1) = _turn(child, "Hello there")
+    assert reply1 and (f1, g1, why1) == (p1, 24, "length")
+    reply2, (p2, f2, g2, _) = _turn(child, "Tell me more")
+    assert p2 > p1 + g1 and f2 == p2 - (p1 + g1)  # only the new tokens were prefilled
+
+    again, (p3, f3, _, _) = _turn(child, "/regenerate")
+    assert again == reply2 and (p3, f3) == (p2, 1)
+
+    child.sendline(f"/save {tmp_path / 'chat.safetensors'}")
+    child.expect(r"\[saved 4 messages, (\d+) tokens to ")
+    saved_tokens = int(child.match.group(1))
+    assert saved_tokens == p2 + 24
+    child.expect_exact(PROMPT)
+    child.sendline("/reset")
+    child.expect_exact("[conversation cleared]")
+    child.expect_exact(PROMPT)
+    child.sendline(f"/load {tmp_path / 'chat.safetensors'}")
+    child.expect_exact(f"[loaded 4 messages, {saved_tokens} tokens from ")
+    child.expect_exact(PROMPT)
+    child.sendline("/stats")
+    child.expect(rf"\[turns \d+ \| messages 4 \| context {saved_tokens} tokens \| cache [\d.]+ MB with 1 checkpoints\]")
+    child.expect_exact(PROMPT)
+    _, (p4, f4, _, _) = _turn(child, "And finally?")
+    assert f4 == p4 - saved_tokens
+
+    child.sendline("/nonsense")
+    child.expect_exact("[error: unknown command '/nonsense' (/help lists them)]")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_repl_ctrl_c_stops_the_reply_and_keeps_the_session(tmp_path):
+    """Ctrl-C while a (very long) reply streams: "[interrupted]", a stats line marked interrupted, the prompt comes
+    back, /stats still shows the exchange, and /exit quits with 0."""
+    child = _spawn(tmp_path, "--max-tokens", "100000")
+    child.sendline("Write a long story")
+    child.expect(r"Write a long story\r\n[^\r\n]{8}")
+    child.sendintr()
+    child.expect_exact("[interrupted]")
+    child.expect(STATS)
+    assert child.match.group(4) == "interrupted" and 8 <= int(child.match.group(3)) < 100000
+    child.expect_exact(PROMPT)
+    child.sendline("/stats")
+    child.expect(r"\[turns 1 \| messages 2 \| context \d+ tokens")
+    child.expect_exact(PROMPT)
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_repl_refuses_bad_tools_file(tmp_path):
+    """A --tools file that is not a JSON list: exit status 2 and an error naming the file."""
+    (tmp_path / "tools.json").write_text('{"not": "a list"}')
+    child = pexpect.spawn(
+        sys.executable, ["-m", "kimi_mlx.cli.main", "chat", "--model", "demo", "--tools", "tools.json"],
+        cwd=str(tmp_path), encoding="utf-8", timeout=120,
+    )
+    child.expect(r"tools\.json: expected a JSON list of tool declarations")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 2
+
+
+class _ScriptedSession:
+    """Stands in for ChatSession: replays a reasoning + content + tool-call reply, then records the tool results."""
+
+    CALL = {"id": "functions.get_weather:0", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Tokyo"}'}}
+
+    def __init__(self):
+        self.last, self.results = None, None
+
+    def reply(self):
+        yield ChatEvent("reasoning", "Need the ")
+        yield ChatEvent("reasoning", "tool.")
+        yield ChatEvent("content", "Checking.")
+        yield ChatEvent("tool_call", tool_call=self.CALL)
+        self.last = Turn({"role": "assistant"}, TurnStats(finish_reason="stop"), [1], [self.CALL])
+
+    def tool_results(self, results):
+        self.results = results
+        yield ChatEvent("content", "It is 22C and sunny.")
+        yield ChatEvent("warning", "the reply ended inside the response section (cut off?)")
+        self.last = Turn({"role": "assistant"}, TurnStats(finish_reason="length"), [2], [])
+
+
+@pytest.mark.parametrize("hide", [False, True])
+def test_repl_shows_reasoning_tool_calls_and_warnings(monkeypatch, hide):
+    """Reasoning is set apart ("[reasoning]" off a terminal) or hidden with --hide-reasoning; a tool call is shown
+    as name(arguments), its result is asked for and handed to the session, and the continuation and a parser
+    warning are printed."""
+    session, out = _ScriptedSession(), io.StringIO()
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda prompt: asked.append(prompt) or "22C sunny")
+    Repl(session, hide_reasoning=hide, out=out).stream(session.reply())
+    text = out.getvalue()
+    assert ("[reasoning] Need the tool.\nChecking." in text) != hide
+    assert ("Need the tool" in text) != hide and "Checking." in text
+    assert '[tool call] get_weather({"city": "Tokyo"})' in text
+    assert asked == ['result of get_weather({"city": "Tokyo"})> ']
+    assert session.results == [(_ScriptedSession.CALL, "22C sunny")]
+    assert "It is 22C and sunny.\n[warning: the reply ended inside the response section (cut off?)]" in text
+    assert text.count("[prompt 0 tok") == 2
