@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import chat, convert, generate
+from . import chat, convert, fuse, generate, lora
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_parser(commands)
     chat.add_parser(commands)
     convert.add_parser(commands)
+    lora.add_parser(commands)
+    fuse.add_parser(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -11,7 +11,8 @@ Two ways to run the routed experts, same parameters, same result:
   this is ~10x faster than ``gather_mm`` at 2048 tokens with a real BLAS (see bench/README.md).
 The sorted path reads the per-expert counts on the host (one sync per MoE layer). It is differentiable (plain
 slices, matmuls and gathers), so training goes through it too; inside ``mx.compile`` / ``mx.vmap`` (no host reads)
-and for expert layers it does not know (LoRA/DoRA wrappers, nvfp4 with a global scale) it falls back to SwitchGLU.
+and for expert layers it does not know (DoRA wrappers, nvfp4 with a global scale) it falls back to SwitchGLU;
+mlx-lm's per-expert ``LoRASwitchLinear`` runs sorted too (base expert matmul + its low-rank update).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mlx_lm.models.switch_layers import (
     SwitchGLU,
     SwitchLinear,
 )
+from mlx_lm.tuner.lora import LoRASwitchLinear
 
 from ..config import KimiConfig
 from .norm import RMSNorm
@@ -122,13 +124,19 @@ DEQUANT_MIN_ROWS = 8
 
 
 def _sortable(layer: nn.Module) -> bool:
+    if type(layer) is LoRASwitchLinear:  # per-expert LoRA (training): base expert + its low-rank update
+        return _sortable(layer.linear)
     if type(layer) is SwitchLinear:
         return True
     return type(layer) is QuantizedSwitchLinear and getattr(layer, "global_scale", None) is None
 
 
 def _expert_linear(layer: nn.Module, x: mx.array, e: int) -> mx.array:
-    """x [n, in] through expert ``e`` of a (Quantized)SwitchLinear stack -> [n, out]."""
+    """x [n, in] through expert ``e`` of a (Quantized)SwitchLinear stack, or of mlx-lm's ``LoRASwitchLinear``
+    (``y + scale * (dropout(x) @ lora_a[e]^T) @ lora_b[e]^T``) -> [n, out]."""
+    if type(layer) is LoRASwitchLinear:
+        z = (layer.dropout(x) @ layer["lora_a"][e].T) @ layer["lora_b"][e].T
+        return _expert_linear(layer.linear, x, e) + (layer.scale * z).astype(x.dtype)
     if isinstance(layer, QuantizedSwitchLinear):
         w, scales, biases = layer["weight"][e], layer["scales"][e], layer.get("biases")
         biases = None if biases is None else biases[e]

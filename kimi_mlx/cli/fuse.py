@@ -1,0 +1,96 @@
+"""``kimi-mlx fuse``: merge LoRA/DoRA adapters into the base model and write an MLX model directory.
+
+    kimi-mlx fuse --model DIR --adapter-path adapters --save-path fused_model [--dequantize]
+
+A quantized base is re-quantized to its own layout after merging (``--dequantize`` writes float weights instead).
+The output is written like ``kimi-mlx convert`` (mlx-lm's key layout, ``config.json`` with the ``quantization``
+entry, the base's tokenizer files) and loads with ``kimi_mlx.load``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .generate import DTYPES
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser(
+        "fuse",
+        help="merge adapters into the base model and save it",
+        description="Merge LoRA/DoRA adapters (from kimi-mlx lora or mlx_lm.lora) into a Kimi Linear / Kimi-K3 "
+        "model and write an MLX model directory.",
+    )
+    p.add_argument("--model", required=True, help="base model directory, HF repo id, or 'demo'")
+    p.add_argument(
+        "--adapter-path", default="adapters", help="directory with adapters.safetensors + adapter_config.json"
+    )
+    p.add_argument("--save-path", default="fused_model", help="output model directory (absent or empty)")
+    p.add_argument("--dequantize", action="store_true", help="write float weights even if the base is quantized")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="float type of the base while merging and of the output (default: as kimi_mlx.load gives "
+        "it: float32 on the CPU backend, as stored on the GPU)",
+    )
+    p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+    p.set_defaults(run=run)
+
+
+def fuse_model(
+    model_src: str, adapter_path: str, save_path: str, dequantize: bool = False, force: bool = False, dtype=None
+) -> Path:
+    """Load ``model_src`` (float weights in ``dtype``, see ``kimi_mlx.load``), apply and fuse the adapters, write
+    the MLX model directory; returns it."""
+    from collections import Counter
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import dequantize_model
+
+    from ..convert.writer import TOKENIZER_FILES, hf_config, to_mlx_lm_layout, write_model_dir
+    from ..loading import _read_config, load_model, resolve_model_path
+    from ..tuner.adapters import fuse_adapters, load_adapters
+    from .convert import DTYPE_NAMES, ConvertError, _check_out, quantization_entry
+
+    out = Path(save_path).expanduser()
+    _check_out(out, force)
+    path = resolve_model_path(model_src)
+    if not (path / "config.json").exists():
+        raise ConvertError(f"--model {model_src}: {path} has no config.json (expected a model directory)")
+    base = _read_config(path)
+    model, cfg = load_model(path, dtype=dtype)
+    config = load_adapters(model, adapter_path)
+    n = fuse_adapters(model, dequantize=dequantize)
+    if dequantize:
+        model = dequantize_model(model)
+    mx.eval(model.parameters())
+    params = dict(tree_flatten(model.parameters()))
+    weights, quantization = to_mlx_lm_layout(params, cfg, quantization_entry(model))
+    floats = Counter(v.dtype for v in params.values() if mx.issubdtype(v.dtype, mx.floating))
+    torch_dtype = DTYPE_NAMES.get(floats.most_common(1)[0][0]) if floats else None
+    files = {name: path / name for name in TOKENIZER_FILES if (path / name).is_file()}
+    write_model_dir(
+        out,
+        weights,
+        hf_config(cfg, quantization=quantization, base=base, torch_dtype=torch_dtype),
+        files,
+        progress=False,
+    )
+    print(
+        f"Fused {n} {config.get('fine_tune_type', 'lora')} adapters from {adapter_path} into {out} "
+        f"({torch_dtype}{', quantized layout kept' if quantization else ''})"
+    )
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        fuse_model(args.model, args.adapter_path, args.save_path, args.dequantize, args.force, DTYPES.get(args.dtype))
+    except (OSError, ValueError) as e:
+        print(f"kimi-mlx: error: {e}", file=sys.stderr)
+        return 2
+    return 0
