@@ -150,3 +150,45 @@ def test_repl_shows_reasoning_tool_calls_and_warnings(monkeypatch, hide):
     assert session.results == [(_ScriptedSession.CALL, "22C sunny")]
     assert "It is 22C and sunny.\n[warning: the reply ended inside the response section (cut off?)]" in text
     assert text.count("[prompt 0 tok") == 2
+
+
+def _generate(capsys, *flags) -> tuple[int, str, str]:
+    from kimi_mlx.cli.main import main
+
+    rc = main(["generate", "--model", "demo", *flags])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_generate_chat_json(capsys):
+    """`generate --chat --system --json`: one JSON object whose content is the greedy reply to the rendered chat
+    (system + user message), with stats; the same flags without --json stream that text."""
+    import json
+
+    import mlx.core as mx
+
+    from kimi_mlx import generate, load
+    from kimi_mlx.chat_format import render_chat
+
+    rc, out, _ = _generate(capsys, "--prompt", "Hi there", "--chat", "--system", "Be brief.", "-m", "8", "--json")
+    assert rc == 0
+    got = json.loads(out)
+    model, tok = load("demo", dtype=mx.float32)
+    prompt = render_chat(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}])
+    assert got["content"] == got["text"] == generate(model, tok, prompt, 8) and got["reasoning"] == ""
+    assert got["tool_calls"] == [] and got["stats"]["prompt_tokens"] == len(prompt)
+    assert got["stats"]["generation_tokens"] == 8 and got["stats"]["finish_reason"] == "length"
+    rc, out, err = _generate(capsys, "--prompt", "Hi there", "--chat", "--system", "Be brief.", "-m", "8")
+    assert rc == 0 and out.strip() == got["text"].strip() and "generation: 8 tokens" in err
+
+
+def test_generate_seed_and_flag_errors(capsys):
+    """--seed makes sampling repeatable; chat-only flags without --chat, and --think on Kimi Linear, exit 2 with a
+    message saying why."""
+    runs = [_generate(capsys, "--prompt", "Hi", "-m", "12", "--temp", "1.0", "--seed", "5", "--quiet")[1]
+            for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0].strip()
+    rc, _, err = _generate(capsys, "--prompt", "Hi", "--think")
+    assert rc == 2 and "--think/--no-think needs --chat" in err
+    rc, _, err = _generate(capsys, "--prompt", "Hi", "--chat", "--think")
+    assert rc == 2 and "no thinking section" in err

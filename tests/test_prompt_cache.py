@@ -149,3 +149,29 @@ def test_save_checks_its_input(demo, tmp_path):
         save_prompt_cache(tmp_path / "x.safetensors", model, cache, [1, 2])
     with pytest.raises(TypeError, match="metadata 'n' must be a string"):
         save_prompt_cache(tmp_path / "x.safetensors", model, cache, [1, 2, 3], {"n": 3})
+
+
+def test_generate_prompt_cache_flag(tmp_path, capsys):
+    """`generate --prompt-cache FILE`: the first run writes FILE; a rerun with the same prompt prefills 1 token, a
+    longer prompt that extends it prefills only the extension, both printing what a run without the cache prints;
+    a prompt that does not extend the cached one exits 2 with a clear message."""
+    from kimi_mlx.cli.main import main
+
+    file = str(tmp_path / "p.safetensors")
+    base, longer = "A long shared document prefix.", "A long shared document prefix. And a question?"
+
+    def run(prompt, *flags):
+        rc = main(["generate", "--model", "demo", "--prompt", prompt, "-m", "10", *flags])
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+
+    plain = {p: run(p)[1] for p in (base, longer)}
+    assert run(base, "--prompt-cache", file)[1] == plain[base] and (tmp_path / "p.safetensors").exists()
+    rc, out, err = run(base, "--prompt-cache", file)
+    assert rc == 0 and out == plain[base] and "(1 prefilled)" in err
+    rc, out, err = run(longer, "--prompt-cache", file)
+    _, tok = load("demo")
+    extra = len(tok.encode(longer)) - len(tok.encode(base)) + 1
+    assert rc == 0 and out == plain[longer] and f"({extra} prefilled)" in err
+    rc, _, err = run("Something else", "--prompt-cache", file)
+    assert rc == 2 and "not a strict prefix of this prompt" in err
