@@ -59,6 +59,7 @@ __all__ = [
     "enabled",
     "kernel",
     "load_kernel_file",
+    "parse_kernel_file",
     "register",
 ]
 
@@ -85,13 +86,9 @@ def _tag(lines: list[str], tag: str, path: str) -> tuple[str, ...]:
     return tuple(found[0])
 
 
-def load_kernel_file(name: str) -> KernelFile:
-    """Read and parse ``metal_kernels/<name>.metal`` (package data of ``kimi_mlx.metal_kernels``)."""
-    path = f"metal_kernels/{name}.metal"
-    res = resources.files(_PACKAGE).joinpath(f"{name}.metal")
-    if not res.is_file():
-        raise FileNotFoundError(f"{path}: no such kernel file in package {_PACKAGE}")
-    lines = res.read_text(encoding="utf-8").splitlines()
+def parse_kernel_file(name: str, text: str, path: str) -> KernelFile:
+    """Split a kernel file's text into its tagged buffer names, helper header and body (``path`` names errors)."""
+    lines = text.splitlines()
     n_head = 0
     while n_head < len(lines) and lines[n_head].startswith("//"):
         n_head += 1
@@ -100,6 +97,8 @@ def load_kernel_file(name: str) -> KernelFile:
     for ident in inputs + outputs:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", ident):
             raise ValueError(f"{path}: buffer name {ident!r} is not an identifier")
+    if len(set(inputs + outputs)) != len(inputs + outputs):
+        raise ValueError(f"{path}: duplicate buffer names in {inputs + outputs}")
     body_at = [i for i, ln in enumerate(rest) if ln.strip() == _BODY_TAG]
     if len(body_at) > 1:
         raise ValueError(f"{path}: more than one '{_BODY_TAG}' line")
@@ -108,6 +107,15 @@ def load_kernel_file(name: str) -> KernelFile:
     if not source:
         raise ValueError(f"{path}: empty kernel body")
     return KernelFile(name, inputs, outputs, "\n".join(header).strip("\n"), source + "\n")
+
+
+def load_kernel_file(name: str) -> KernelFile:
+    """Read and parse ``metal_kernels/<name>.metal`` (package data of ``kimi_mlx.metal_kernels``)."""
+    path = f"metal_kernels/{name}.metal"
+    res = resources.files(_PACKAGE).joinpath(f"{name}.metal")
+    if not res.is_file():
+        raise FileNotFoundError(f"{path}: no such kernel file in package {_PACKAGE}")
+    return parse_kernel_file(name, res.read_text(encoding="utf-8"), path)
 
 
 _files: dict[str, KernelFile] = {}
