@@ -1,0 +1,154 @@
+"""Time the Metal kernels against their pure-MLX paths and mlx-lm's kernels on the same inputs (Apple GPU only).
+
+    python bench/kernels.py                          # decode step, 2K and 8K prefill; bf16
+    python bench/kernels.py --T 1,64,2048 --dtype float32 --reps 20
+    python bench/kernels.py --emulator ../shared/tools/metal_emu   # Linux: smoke-run every path, tiny shapes
+
+KDA (B=1, H=32, Dk=Dv=128, raw q/k/v/f/b in, output and state out; the gates and q/k normalisation are part of
+every timed path):
+- ``kimi-mlx kernels``: ``kda_gated`` as the model calls it (fused recurrent kernel up to RECURRENT_KERNEL_MAX_T
+  tokens, else ``kda_forward`` with the chunked-scan kernel);
+- ``recurrent kernel``: ``kda_recurrent_metal`` at every T (shows the crossover with the chunked path);
+- ``pure MLX``: ``kda_gated`` inside ``kimi_mlx.metal.disabled()``;
+- ``mlx-lm``: ``normalize_qk`` + ``gated_delta_update`` (vector gate, its Metal kernel).
+AttnRes (K snapshots of [T, d], default K=8, d=4096): ``attn_res_mix`` with the kernel, without (pure MLX), and
+mlx-lm's ``kimi_k3._attn_res_mix`` (its own kernel). Times are medians over ``--reps`` runs after warm-up, in ms.
+Without Metal (and without ``--emulator``) it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+from kimi_mlx import metal
+from kimi_mlx.ops.attn_res import attn_res_mix, inv_rms
+from kimi_mlx.ops.kda import kda_gated, kda_recurrent_metal
+
+
+def timeit(fn, reps: int) -> float:
+    """Median wall time of ``fn()`` (which must evaluate its result) in ms, after two warm-up calls."""
+    fn()
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def kda_inputs(B, T, H, D, dtype, seed=0):
+    mx.random.seed(seed)
+    q, k, f = (mx.random.normal((B, T, H, D)).astype(dtype) for _ in range(3))
+    v = mx.random.normal((B, T, H, D)).astype(dtype)
+    b = mx.random.normal((B, T, H)).astype(dtype)
+    A_log = mx.log(mx.random.uniform(1.0, 16.0, (H,)))
+    dt_bias = mx.random.normal((H * D,))
+    state = 0.1 * mx.random.normal((B, H, D, D))
+    mx.eval(q, k, v, f, b, A_log, dt_bias, state)
+    return q, k, v, f, b, A_log, dt_bias, state
+
+
+def bench_kda(T, args, dtype):
+    from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+    B, H, D = 1, args.H, args.D
+    q, k, v, f, b, A_log, dt_bias, state = kda_inputs(B, T, H, D, dtype)
+    kw = {"lower_bound": None, "l2_eps": 1e-6, "state": state}
+
+    def ours():
+        mx.eval(kda_gated(q, k, v, f, b, A_log, dt_bias, **kw))
+
+    def recurrent():
+        mx.eval(kda_recurrent_metal(q, k, v, f, b, A_log, dt_bias, **kw))
+
+    def pure():
+        with metal.disabled():
+            mx.eval(kda_gated(q, k, v, f, b, A_log, dt_bias, **kw))
+
+    def mlx_lm():
+        qn, kn = normalize_qk(q, k, inv_scale=D**-0.5, eps=1e-6)
+        mx.eval(gated_delta_update(qn, kn, v, f, b, A_log[:, None], dt_bias.reshape(H, D), state))
+
+    return {"kimi-mlx kernels": ours, "recurrent kernel": recurrent, "pure MLX": pure, "mlx-lm": mlx_lm}
+
+
+def bench_attn_res(T, args, dtype):
+    from mlx_lm.models import kimi_k3 as lm_k3
+
+    mx.random.seed(0)
+    K, d = args.K, args.d
+    blocks = mx.stack([mx.random.normal((1, T, d)).astype(dtype) for _ in range(K)])
+    scales = mx.stack([inv_rms(x, 1e-6) for x in blocks])
+    partial = mx.random.normal((1, T, d)).astype(dtype)
+    w_eff = mx.random.normal((d,)) * d**-0.5
+    lm_blocks = lm_k3.ResidualBlocks(1e-6)
+    for x in blocks:
+        lm_blocks.append(x)
+    mx.eval(blocks, scales, partial, w_eff, lm_blocks.raw, lm_blocks.inv_rms)
+
+    def ours():
+        mx.eval(attn_res_mix(blocks, scales, partial, w_eff, 1e-6))
+
+    def pure():
+        with metal.disabled():
+            mx.eval(attn_res_mix(blocks, scales, partial, w_eff, 1e-6))
+
+    def mlx_lm():
+        mx.eval(lm_k3._attn_res_mix(lm_blocks, partial, w_eff, 1e-6))
+
+    return {"kimi-mlx kernel": ours, "pure MLX": pure, "mlx-lm": mlx_lm}
+
+
+def run(args) -> None:
+    dtype = getattr(mx, args.dtype)
+    for title, make, Ts in (("KDA", bench_kda, args.T), ("AttnRes mix", bench_attn_res, args.T)):
+        print(f"\n== {title} ({args.dtype}; ms, median of {args.reps})")
+        header = None
+        for T in Ts:
+            fns = make(T, args, dtype)
+            if header is None:
+                header = ["T"] + list(fns)
+                print(" | ".join(f"{h:>16}" for h in header))
+            times = [timeit(fn, args.reps) for fn in fns.values()]
+            print(" | ".join([f"{T:>16}"] + [f"{t:16.3f}" for t in times]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--T", default="1,2048,8192", help="comma-separated token counts (1 = decode step)")
+    ap.add_argument("--H", type=int, default=32, help="KDA heads")
+    ap.add_argument("--D", type=int, default=128, help="KDA head dim (Dk = Dv)")
+    ap.add_argument("--K", type=int, default=8, help="AttnRes snapshots")
+    ap.add_argument("--d", type=int, default=4096, help="AttnRes hidden size")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--emulator", help="path to metal_emu: run every path once on tiny shapes (no real timings)")
+    args = ap.parse_args(argv)
+    args.T = [int(t) for t in args.T.split(",")]
+
+    if args.emulator:
+        sys.path.insert(0, args.emulator)
+        import metal_emu
+
+        print("metal_emu: smoke run on tiny shapes, timings are of the CPU emulator and mean nothing")
+        args.T, args.H, args.D, args.K, args.d, args.reps = [1, 70], 1, 32, 2, 64, 1
+        ctx = metal.emulated(metal_emu.metal_kernel)
+    elif not (mx.metal.is_available() and mx.default_device() == mx.gpu):
+        print("bench/kernels.py: no Metal GPU here (the kernels only run on Apple silicon); nothing to time.")
+        return 0
+    else:
+        ctx = contextlib.nullcontext()
+    with ctx:
+        run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""bench/kernels.py runs every timed path (tiny shapes: emulated kernels on Linux, the real GPU on a Mac) and says
+so and exits 0 on a machine with neither Metal nor the emulator flag."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from metal_support import EMU_DIR, backend_name
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "kernels.py"
+
+
+def test_bench_runs_every_path(tmp_path):
+    tiny = ["--T", "1,70", "--H", "1", "--D", "32", "--K", "2", "--d", "64", "--reps", "1"]
+    args = tiny if backend_name() == "gpu" else ["--emulator", str(EMU_DIR)]
+    r = subprocess.run([sys.executable, str(BENCH), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    for row in ("kimi-mlx kernels", "recurrent kernel", "pure MLX", "mlx-lm", "kimi-mlx kernel"):
+        assert row in r.stdout, r.stdout
+    assert len([ln for ln in r.stdout.splitlines() if ln.strip().startswith("70 |")]) == 2, r.stdout
+
+
+def test_bench_without_metal_says_so(tmp_path):
+    if backend_name() == "gpu":
+        probe = "import mlx.core as mx; mx.set_default_device(mx.cpu); import runpy, sys; sys.argv = ['kernels.py']; "
+        cmd = [sys.executable, "-c", probe + f"runpy.run_path({str(BENCH)!r}, run_name='__main__')"]
+    else:
+        cmd = [sys.executable, str(BENCH)]
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "no Metal GPU" in r.stdout
