@@ -377,6 +377,8 @@ def render_chat_segments(
     start: int = 0,
     default_system: str | None = K2_DEFAULT_SYSTEM,
     default_system_suffix: str = "\n",
+    tool_choice: str | None = None,
+    response_format: Any = None,
 ) -> list[Segment]:
     """Segments of :func:`render_chat` for an explicit ``chat_format``.
 
@@ -394,6 +396,8 @@ def render_chat_segments(
             raise ValueError("thinking=True: Kimi Linear has no thinking section (only Kimi-K3 models think)")
         if thinking_effort is not None:
             raise ValueError(f"thinking_effort={thinking_effort!r}: Kimi Linear has no thinking effort (Kimi-K3 only)")
+        if tool_choice not in (None, "auto") or response_format not in (None, "text", {"type": "text"}):
+            raise ValueError("tool_choice / response_format: the Kimi Linear chat format has no such messages")
         segs, starts = _kimi_linear_segments(
             messages, add_generation_prompt, tools, default_system, default_system_suffix, continue_final_message
         )
@@ -410,6 +414,8 @@ def render_chat_segments(
             thinking_effort=DEFAULT_THINKING_EFFORT if thinking_effort is None else thinking_effort,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tool_choice=tool_choice,
+            response_format=response_format,
         )
     if start == 0:
         return segs
@@ -442,6 +448,8 @@ def render_chat(
     start: int = 0,
     continue_final_message: bool = False,
     default_system: Any = "auto",
+    tool_choice: str | None = None,
+    response_format: Any = None,
 ) -> list[int]:
     """Render ``messages`` to token ids in the model's chat format.
 
@@ -452,7 +460,11 @@ def render_chat(
     without the preamble — see the module docstring for multi-turn use.
     ``default_system`` (Kimi Linear): ``"auto"`` -> the tokenizer's default
     system prompt (from its template; K2's when it has none), a string, or
-    ``None`` for none.
+    ``None`` for none. ``tool_choice`` (``"required"``/``"none"``) and
+    ``response_format`` (``"json_object"`` or ``{"type": "json_schema",
+    "json_schema": {"schema": {...}}}``): Kimi-K3 per-request system messages
+    placed just before the generation prompt (so not part of the
+    prefix-extension property: a chat that uses them re-prefills from there).
     """
     fmt, system, suffix = _format_and_system(tokenizer, chat_format, default_system)
     segs = render_chat_segments(
@@ -466,6 +478,8 @@ def render_chat(
         start=start,
         default_system=system,
         default_system_suffix=suffix,
+        tool_choice=tool_choice,
+        response_format=response_format,
     )
     return encode_segments(segs, tokenizer)
 
@@ -482,6 +496,8 @@ def render_chat_text(
     start: int = 0,
     continue_final_message: bool = False,
     default_system: Any = "auto",
+    tool_choice: str | None = None,
+    response_format: Any = None,
 ) -> str:
     """The string :func:`render_chat` encodes (markers written by name), for display and logs.
 
@@ -503,6 +519,8 @@ def render_chat_text(
             start=start,
             default_system=system,
             default_system_suffix=suffix,
+            tool_choice=tool_choice,
+            response_format=response_format,
         )
     )
 

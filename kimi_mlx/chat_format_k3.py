@@ -55,6 +55,16 @@ DYNAMIC_TOOL_DECLARE_HEADER = (
     "Here are the specs for the extended tools.\n\n```json\n"
 )
 
+TOOL_CHOICE_TEXT = {
+    "required": "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.",
+    "none": "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.",
+}
+RESPONSE_FORMAT_JSON_TEXT = (
+    "The system is invoked with `response_format={kind}`.\nYour response must be raw JSON data without markdown code "
+    "blocks (```json) or any additional formatting."
+)
+RESPONSE_FORMAT_SCHEMA_TEXT = "\nThe JSON data must match the following schema:\n```json\n{schema}\n```"
+
 # (is_special, text), as in kimi_mlx.chat_format.Segment.
 Segment = tuple[bool, str]
 
@@ -208,6 +218,8 @@ def render_k3_segments(
     thinking_effort: str | None = DEFAULT_THINKING_EFFORT,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tool_choice: str | None = None,
+    response_format: Any = None,
 ) -> tuple[list[Segment], list[int | None]]:
     """Render a conversation to ``(segments, starts)``.
 
@@ -216,8 +228,12 @@ def render_k3_segments(
     ``None`` for a tool result that is emitted inside a reordered run (a render
     cannot start there). ``content_text(content, role)`` flattens a message's
     content (text parts only). ``thinking_effort=None`` omits the
-    thinking-effort message.
+    thinking-effort message. ``tool_choice`` (``"auto"``/``"required"``/``"none"``)
+    and ``response_format`` (``"json_object"``, ``{"type": "json_schema",
+    "json_schema": {"schema": ...}}``, ...) add per-request system messages
+    after the conversation, before the generation prompt.
     """
+    request = _request_messages(tool_choice, response_format)
     if thinking_effort is not None and thinking_effort not in THINKING_EFFORTS:
         raise ValueError(f"thinking_effort={thinking_effort!r}: Kimi-K3 supports {', '.join(THINKING_EFFORTS)}")
     segs: list[Segment] = []
@@ -280,10 +296,36 @@ def render_k3_segments(
                 f"{where}: role {role!r} is not one of user, system, assistant, tool (Kimi-K3 chat format)"
             )
     starts[n] = len(segs)
+    segs += request
     if add_generation_prompt:
         segs += open_tag("message", [("role", "assistant")])
         segs += open_tag("think" if thinking else "response")
     return segs, starts
+
+
+def _request_messages(tool_choice: Any, response_format: Any) -> list[Segment]:
+    segs: list[Segment] = []
+    if tool_choice not in (None, "auto", "required", "none"):
+        raise ValueError(f"tool_choice={tool_choice!r}: Kimi-K3 supports 'auto', 'required' and 'none'")
+    if tool_choice in TOOL_CHOICE_TEXT:
+        segs += _internal_system_message("tool-choice", TOOL_CHOICE_TEXT[tool_choice])
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else response_format
+    if kind in (None, "text"):
+        return segs
+    if kind not in ("json_object", "json_schema"):
+        raise ValueError(f"response_format type {kind!r}: expected 'text', 'json_object' or 'json_schema'")
+    body = RESPONSE_FORMAT_JSON_TEXT.format(kind=kind)
+    if kind == "json_schema":
+        wrapper = response_format.get("json_schema") if isinstance(response_format, Mapping) else None
+        schema = wrapper
+        if isinstance(wrapper, Mapping) and "schema" in wrapper:
+            schema = wrapper["schema"]
+        elif isinstance(wrapper, Mapping) and "json_schema" in wrapper:
+            schema = wrapper["json_schema"]
+        if schema is None:
+            raise ValueError("response_format json_schema needs {'json_schema': {'schema': {...}}}")
+        body += RESPONSE_FORMAT_SCHEMA_TEXT.format(schema=sorted_compact_json(schema, "response_format schema"))
+    return segs + _internal_system_message("response-format", body)
 
 
 def _tool_run_order(

@@ -621,8 +621,8 @@ class KimiTikTokenizer:
         ``default_system`` (Kimi Linear; overrides the tokenizer's default,
         ``None`` disables the injected system prompt); for Kimi-K3
         ``thinking`` (or mlx-lm's ``enable_thinking``) and ``thinking_effort``
-        (or ``reasoning_effort``). Kimi Linear ignores the thinking kwargs (it
-        has no thinking section), so mlx-lm callers that always pass
+        (or ``reasoning_effort``), ``tool_choice``, ``response_format``. Kimi
+        Linear ignores these (it has no thinking section nor such messages), so mlx-lm callers that always pass
         ``enable_thinking`` work with both. Other template kwargs are ignored.
         ``tokenize=False`` returns a :class:`RenderedChat`.
         """
@@ -646,8 +646,10 @@ class KimiTikTokenizer:
         fmt = kwargs.get("chat_format") or self.chat_format
         thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
         effort = kwargs.get("thinking_effort", kwargs.get("reasoning_effort"))
+        request = {"tool_choice": kwargs.get("tool_choice"), "response_format": kwargs.get("response_format")}
         if fmt == "kimi_linear":
             thinking = effort = None
+            request = {}
         segments = chat_format.render_chat_segments(
             conversation,
             chat_format=fmt,
@@ -658,6 +660,7 @@ class KimiTikTokenizer:
             continue_final_message=continue_final_message,
             default_system=kwargs.get("default_system", self.default_system),
             default_system_suffix=kwargs.get("default_system_suffix", self.default_system_suffix),
+            **request,
         )
         ids = chat_format.encode_segments(segments, self)
         if tokenize:

@@ -5,6 +5,8 @@ Expected strings are the spec's examples (rendered there with llama.cpp's Jinja 
 expected ids come from tiktoken's own special-token parsing of those strings (no user text contains a marker there).
 """
 
+import json
+
 import pytest
 from conftest import KL_FIXTURE
 from xtml_tokenizer import XTML_IDS, load_xtml_tokenizer
@@ -261,6 +263,34 @@ def test_k3_history_and_thinking_modes(k3tok):
     assert "think" not in off and "<|open|>response<|sep|>a<|close|>response<|sep|>" in off
     cont = render_chat_text(k3tok, msgs, thinking=False, add_generation_prompt=False, continue_final_message=True)
     assert cont.endswith('<|open|>message role="assistant"<|sep|><|open|>response<|sep|>a2')
+
+
+def test_k3_tool_choice_and_response_format(k3tok):
+    """tool_choice required/none and response_format json_object/json_schema add typed system messages right before
+    the generation prompt (schema as deep-sorted compact JSON); 'auto'/'text' add nothing; bad values are errors."""
+    user = [{"role": "user", "content": "hi"}]
+    gen = '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
+    base = render_chat_text(k3tok, user, thinking=False)
+    for choice in ("required", "none"):
+        text = render_chat_text(k3tok, user, thinking=False, tool_choice=choice)
+        extra = text[len(base) - len(gen) : -len(gen)]
+        assert text.startswith(base[: -len(gen)]) and text.endswith(gen)
+        assert extra.startswith('<|open|>message role="system" type="tool-choice"<|sep|>')
+        assert f"`tool_choice={choice}`" in extra and extra.endswith("<|close|>message<|sep|><|end_of_msg|>")
+    schema = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "number"}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    text = render_chat_text(k3tok, user, thinking=False, response_format=rf)
+    body = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    assert '<|open|>message role="system" type="response-format"<|sep|>' in text
+    assert "`response_format=json_schema`" in text and f"```json\n{body}\n```<|close|>message" in text
+    assert "`response_format=json_object`" in render_chat_text(k3tok, user, response_format={"type": "json_object"})
+    assert render_chat_text(k3tok, user, tool_choice="auto", response_format="text") == render_chat_text(k3tok, user)
+    with pytest.raises(ValueError, match="tool_choice='any'"):
+        render_chat(k3tok, user, tool_choice="any")
+    with pytest.raises(ValueError, match="response_format type 'yaml'"):
+        render_chat(k3tok, user, response_format={"type": "yaml"})
+    with pytest.raises(ValueError, match="Kimi Linear"):
+        render_chat(k3tok, user, chat_format="kimi_linear", tool_choice="required")
 
 
 def _k3_reply(reasoning: str, content: str, calls: str = "") -> str:
