@@ -19,7 +19,8 @@ passed to MLX (MLX adds ``x_shape`` parameters or thread attributes for names it
 Kernels are used only when ``enabled()``: Metal is available, the default device is the GPU, and the environment
 variable ``KIMI_MLX_KERNELS`` is not ``"0"``. Everywhere else (CPU, CUDA, ``KIMI_MLX_KERNELS=0``, inside
 ``disabled()``) ``kernel(name)`` returns None and the ops in ``kimi_mlx.ops`` run their pure-MLX path. Custom
-kernels have no VJP: training code runs under ``with kimi_mlx.metal.disabled():``.
+kernels have no VJP of their own: ops wrap a launch in ``with_reference_vjp`` so that gradients (training) come from
+the pure-MLX path, or training code runs under ``with kimi_mlx.metal.disabled():``.
 
 How an op registers and calls a kernel (e.g. ``kimi_mlx/ops/kda_chunked_metal.py``)::
 
@@ -60,6 +61,7 @@ __all__ = [
     "kernel",
     "load_kernel_file",
     "parse_kernel_file",
+    "with_reference_vjp",
     "register",
 ]
 
@@ -193,3 +195,21 @@ def emulated(factory: Callable) -> Iterator[None]:
             del _built[key]
         if not _override:
             mx.enable_compile()
+
+
+def with_reference_vjp(kernel_fn: Callable, reference_fn: Callable) -> Callable:
+    """``f(*arrays)`` whose outputs are ``kernel_fn(*arrays)`` and whose VJP is that of ``reference_fn(*arrays)``
+    (the pure-MLX path of the same op, recomputed in the backward pass), so ``mx.grad`` works through a kernel.
+    Both take the same float arrays and return the same tuple of arrays; non-differentiable arguments (masks,
+    scalars) belong in their closures."""
+
+    @mx.custom_function
+    def f(*arrays):
+        return tuple(kernel_fn(*arrays))
+
+    @f.vjp
+    def f_vjp(primals, cotangents, outputs):
+        _, grads = mx.vjp(lambda *a: list(reference_fn(*a)), list(primals), list(cotangents))
+        return tuple(grads)
+
+    return f

@@ -87,3 +87,21 @@ def test_bad_arguments_are_errors():
         attn_res_mix_metal(blocks, scales, partial, w_eff, EPS, kernel=lambda **kw: None, threads=48)
     with pytest.raises(ValueError, match="at least one block"):
         attn_res_mix_metal([], [], partial, w_eff, EPS, kernel=lambda **kw: None)
+
+
+def test_gradients_through_the_kernel_path(kernels):
+    """mx.grad through attn_res_mix with the kernel on gives the pure path's gradients (snapshots, partial, w_eff)."""
+    blocks, scales, partial, w_eff = make_inputs(2, 1, 3, 64, mx.float32)
+    wo = mx.array(np.random.default_rng(1).standard_normal(partial.shape), mx.float32)
+
+    def loss(raw, part, w):
+        return (attn_res_mix(raw, mx.stack([inv_rms(b, EPS) for b in raw]), part, w, EPS) * wo).sum()
+
+    with metal.disabled():
+        ref = mx.grad(loss, argnums=(0, 1, 2))(mx.stack(blocks), partial, w_eff)
+    with kernels.active():
+        got = mx.grad(loss, argnums=(0, 1, 2))(mx.stack(blocks), partial, w_eff)
+        mx.eval(got)
+        assert kernels.launched == [MIX]
+    for name, g, r in zip(("blocks", "partial", "w_eff"), got, ref):
+        assert_matches(g, r, f"d loss / d {name}")

@@ -73,8 +73,16 @@ def attn_res_mix(blocks: Blocks, block_inv_rms: Blocks, partial: mx.array, w_eff
     """
     _check_mix(blocks, block_inv_rms, partial, w_eff)
     kern = metal.kernel("attn_res_mix")
-    if kern is not None and len(blocks):
-        return attn_res_mix_metal(blocks, block_inv_rms, partial, w_eff, eps, kernel=kern)
+    if kern is None or not len(blocks):
+        return _mix_pure(blocks, block_inv_rms, partial, w_eff, eps)
+    # Gradients (training) come from the pure-MLX path: custom kernels have no VJP.
+    op = metal.with_reference_vjp(
+        lambda *a: [attn_res_mix_metal(*a, eps, kernel=kern)], lambda *a: [_mix_pure(*a, eps)]
+    )
+    return op(_as_stacked(blocks), _as_stacked(block_inv_rms), partial, w_eff)[0]
+
+
+def _mix_pure(blocks: Blocks, block_inv_rms: Blocks, partial: mx.array, w_eff: mx.array, eps: float) -> mx.array:
     values = _as_list(blocks) + [partial]
     return _combine(values, _scores(values, _as_list(block_inv_rms) + [inv_rms(partial, eps)], w_eff))
 

@@ -457,12 +457,26 @@ def kda_gated(
     is one launch of ``kda_recurrent_metal``; otherwise the pure-MLX prologue and ``kda_forward``.
     """
     _check_gated(q, k, v, f, b, A_log, dt_bias, state, mask)
-    T, Dk, Dv = q.shape[1], q.shape[-1], v.shape[-1]
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
     kern = metal.kernel("kda_recurrent")
-    if kern is not None and 0 < T <= RECURRENT_KERNEL_MAX_T and Dk % 32 == 0 and Dv % 32 == 0:
-        return kda_recurrent_metal(q, k, v, f, b, A_log, dt_bias, lower_bound=lower_bound, l2_eps=l2_eps,
-                                   state=state, mask=mask, kernel=kern)  # fmt: skip
-    qn = l2_normalize(q, l2_eps) * (Dk**-0.5)
+    if kern is None or not 0 < T <= RECURRENT_KERNEL_MAX_T or Dk % 32 or Dv % 32:
+        return _kda_gated_pure(q, k, v, f, b, A_log, dt_bias, state, lower_bound=lower_bound, l2_eps=l2_eps, mask=mask)
+    if state is None:
+        state = mx.zeros((B, H, Dv, Dk), dtype=mx.float32)
+    gates = {"lower_bound": lower_bound, "l2_eps": l2_eps, "mask": mask}
+
+    def launch(*arrays):
+        return kda_recurrent_metal(*arrays[:7], state=arrays[7], kernel=kern, **gates)
+
+    # Gradients (training) come from the pure-MLX path: custom kernels have no VJP.
+    op = metal.with_reference_vjp(launch, lambda *arrays: _kda_gated_pure(*arrays, **gates))
+    return op(q, k, v, f, b, A_log, dt_bias, state)
+
+
+def _kda_gated_pure(q, k, v, f, b, A_log, dt_bias, state, *, lower_bound, l2_eps, mask):
+    """The pure-MLX path of ``kda_gated`` (same arguments, state positional)."""
+    qn = l2_normalize(q, l2_eps) * (q.shape[-1] ** -0.5)
     kn = l2_normalize(k, l2_eps)
     g = kda_decay(f, A_log, dt_bias, lower_bound)
     beta = mx.sigmoid(b.astype(mx.float32))
