@@ -17,7 +17,7 @@ from test_kda_ops import make_inputs
 from kimi_mlx import metal
 from kimi_mlx.ops import kda as kda_mod
 from kimi_mlx.ops.kda import kda_chunked, kda_forward, kda_recurrent
-from kimi_mlx.ops.kda_chunked_metal import KERNEL_NAME, kda_chunked_metal
+from kimi_mlx.ops.kda_chunked_metal import PREP_KERNEL, SCAN_KERNEL, kda_chunked_metal
 
 
 def inputs(seed, B, T, H, Dk, Dv, dtype=mx.float32, extreme=False, pad=(0,)):
@@ -44,8 +44,10 @@ def run_both(backend, args, chunk_size, simdgroups=4):
 
 
 def scan_launches(backend) -> int:
-    """Launches of this kernel recorded by the test backend (GPU or emulator)."""
-    return backend.launched.count(f"kimi_{KERNEL_NAME}")
+    """Launches of the scan kernel recorded by the test backend (GPU or emulator); each follows one prep launch."""
+    names = [n for n in backend.launched if n in (f"kimi_{PREP_KERNEL}", f"kimi_{SCAN_KERNEL}")]
+    assert names == [f"kimi_{PREP_KERNEL}", f"kimi_{SCAN_KERNEL}"] * (len(names) // 2), names
+    return len(names) // 2
 
 
 def check(backend, got, chunked, recurrent, launches=1):
@@ -70,7 +72,7 @@ SHAPES = {
     "ragged_T37_C16": (2, 37, 2, 64, 64, 16, (3, 11), 4),
     "Dk128_Dv128_tg3": (1, 19, 1, 128, 128, 8, (0,), 3),
     "Dk128_Dv96_tg5": (2, 13, 1, 128, 96, 8, (0, 6), 5),
-    "T70_C64": (1, 70, 1, 64, 64, 64, (0,), 2),
+    "T70_C32": (1, 70, 1, 64, 64, 32, (0,), 2),
 }
 
 
@@ -102,6 +104,17 @@ def test_fast_decaying_heads_stay_finite(strict_kernels):
     args = inputs(3, 2, 29, 2, 64, 64, extreme=True, pad=(0, 4))
     got, chunked, recurrent = run_both(strict_kernels, args, 8, 4)
     check(strict_kernels, got, chunked, recurrent)
+
+
+def test_masked_steps_anywhere(strict_kernels):
+    """Masked steps at arbitrary positions (not only left padding), including a chunk's last token and the sequence's
+    last token: identity steps on the state with zero output, as in both pure paths."""
+    q, k, v, g, beta, state, _ = inputs(9, 2, 27, 2, 64, 64, extreme=True)
+    mask = np.random.default_rng(9).random((2, 27)) > 0.35
+    mask[0, [7, 15, 26]] = False
+    got, chunked, recurrent = run_both(strict_kernels, (q, k, v, g, beta, state, mx.array(mask)), 8, 4)
+    check(strict_kernels, got, chunked, recurrent)
+    assert (np.array(got[0])[~mask] == 0).all()
 
 
 def test_state_carried_across_launches(strict_kernels, monkeypatch):
@@ -139,9 +152,9 @@ def test_disabled_falls_back_to_pure_path():
     [
         (48, 64, 8, 4, mx.float32, r"multiples of 32.*Dk=48"),
         (64, 40, 8, 4, mx.float32, r"multiples of 32.*Dv=40"),
-        (64, 64, 12, 4, mx.float32, "chunk_size must be 8, 16, 32 or 64"),
-        (64, 64, 4, 4, mx.float32, "chunk_size must be 8, 16, 32 or 64"),
-        (64, 64, 128, 4, mx.float32, "chunk_size must be 8, 16, 32 or 64"),
+        (64, 64, 12, 4, mx.float32, "chunk_size must be 8, 16 or 32"),
+        (64, 64, 4, 4, mx.float32, "chunk_size must be 8, 16 or 32"),
+        (64, 64, 64, 4, mx.float32, "chunk_size must be 8, 16 or 32"),
         (64, 64, 8, 0, mx.float32, "simdgroups"),
         (64, 64, 8, 4, mx.int32, "v dtype"),
     ],

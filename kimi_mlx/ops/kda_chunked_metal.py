@@ -23,15 +23,17 @@ import mlx.core as mx
 from .. import metal
 from . import kda as _kda
 
-__all__ = ["KERNEL_NAME", "kda_chunked_metal"]
+__all__ = ["PREP_KERNEL", "SCAN_KERNEL", "kda_chunked_metal"]
 
-KERNEL_NAME = "kda_chunked_scan"
-metal.register(KERNEL_NAME)
+PREP_KERNEL = "kda_chunked_prep"  # intra-chunk quantities, one threadgroup per chunk
+SCAN_KERNEL = "kda_chunked_scan"  # the recurrence across chunks and the outputs
+metal.register(PREP_KERNEL)
+metal.register(SCAN_KERNEL)
 
-_OUT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+_IO_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
-def _check(q: mx.array, v: mx.array, chunk_size: int, simdgroups: int) -> None:
+def _check(q: mx.array, k: mx.array, v: mx.array, chunk_size: int, simdgroups: int) -> None:
     """Errors the kernel cannot handle, raised before any work (shapes themselves are checked by ``_prepare``)."""
     Dk, Dv = q.shape[-1], v.shape[-1]
     if Dk % 32 or Dv % 32 or Dk == 0 or Dv == 0:
@@ -39,18 +41,13 @@ def _check(q: mx.array, v: mx.array, chunk_size: int, simdgroups: int) -> None:
             f"kda_chunked_metal: head dims must be positive multiples of 32 (the kernel works on 8x8 tiles), "
             f"got Dk={Dk} (q {q.shape}) and Dv={Dv} (v {v.shape})"
         )
-    if v.dtype not in _OUT_DTYPES:
-        raise ValueError(f"kda_chunked_metal: v dtype {v.dtype} not supported (float32, float16 or bfloat16)")
-    if chunk_size not in (8, 16, 32, 64):
-        raise ValueError(f"kda_chunked_metal: chunk_size must be 8, 16, 32 or 64, got {chunk_size}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in _IO_DTYPES:
+            raise ValueError(f"kda_chunked_metal: {name} dtype {x.dtype} not supported (float32, float16 or bfloat16)")
+    if chunk_size not in (8, 16, 32):
+        raise ValueError(f"kda_chunked_metal: chunk_size must be 8, 16 or 32, got {chunk_size}")
     if not 1 <= simdgroups <= 32:
         raise ValueError(f"kda_chunked_metal: simdgroups (per threadgroup) must be in [1, 32], got {simdgroups}")
-
-
-def _to_chunks(x: mx.array, n_chunks: int, chunk_size: int) -> mx.array:
-    """``[B, N*C, H, D]`` -> ``[N * B * H, C, D]``, chunk-major (the layout ``_intra_chunk`` and the kernel use)."""
-    B, _, H, D = x.shape
-    return x.reshape(B, n_chunks, chunk_size, H, D).transpose(1, 0, 3, 2, 4).reshape(n_chunks * B * H, chunk_size, D)
 
 
 def kda_chunked_metal(
@@ -69,51 +66,53 @@ def kda_chunked_metal(
 
     Args:
         q, k, g, v, beta, state, mask: as ``kda_chunked`` (Dk and Dv multiples of 32).
-        chunk_size: tokens per chunk, 8, 16, 32 or 64; T need not be a multiple.
+        chunk_size: tokens per chunk, 8, 16 or 32; T need not be a multiple.
         simdgroups: SIMD-groups per threadgroup, each one 8-column tile of Dv; need not divide Dv / 8.
 
     Returns:
         ``(o [B, T, H, Dv] in v.dtype, final state [B, H, Dv, Dk] float32)``.
     """
     C = int(chunk_size)
-    _check(q, v, C, simdgroups)
-    kernel = metal.kernel(KERNEL_NAME)
-    if kernel is None:
+    _check(q, k, v, C, simdgroups)
+    prep, scan = metal.kernel(PREP_KERNEL), metal.kernel(SCAN_KERNEL)
+    if scan is None:
         return _kda.kda_chunked(q, k, v, g, beta, state=state, mask=mask, chunk_size=C)
-    out_dtype = v.dtype
-    q, k, v, g, beta, state, mask = _kda._prepare(q, k, v, g, beta, state, mask)
+    # Validation, zero default state, bool mask (the float32 copies of q/k/v it also returns are never evaluated).
+    state, mask = _kda._prepare(q, k, v, g, beta, state, mask)[5:]
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     if T == 0:
-        return mx.zeros((B, 0, H, Dv), dtype=out_dtype), state
-    g, beta = _kda._mask_gates(g, beta, mask)
+        return mx.zeros((B, 0, H, Dv), dtype=v.dtype), state
+    g, beta = g.astype(mx.float32), beta.astype(mx.float32)
     if mask is None:
         mask = mx.ones((B, T), dtype=mx.bool_)
-    # Tokens per kernel launch (a multiple of C): bounds the intra-chunk buffers like the pure path does.
+    # Tokens per pair of launches (a multiple of C): bounds the intra-chunk buffers like the pure path does.
     per_group = max(1, _kda.GROUP_ELEMS // (B * H * max(Dk, Dv) * C)) * C
-    template = [("OutT", out_dtype), ("C", C), ("Dk", Dk), ("Dv", Dv), ("H", H)]
+    prep_template = [("QT", q.dtype), ("KT", k.dtype), ("VT", v.dtype), ("C", C), ("Dk", Dk), ("Dv", Dv), ("H", H)]
+    scan_template = [("OutT", v.dtype), ("C", C), ("Dk", Dk), ("Dv", Dv), ("H", H)]
     outs = []
     for t0 in range(0, T, per_group):
         t1 = min(T, t0 + per_group)
-        Tg = t1 - t0
-        N = -(-Tg // C)
-        pad = [(0, 0), (0, N * C - Tg)]
-        # Padded tail steps are identities (g = 0, beta = 0, zero q/k/v); the kernel does not write their outputs.
-        qg, kg, vg, gg = (mx.pad(x[:, t0:t1], pad + [(0, 0), (0, 0)]) for x in (q, k, v, g))
-        bg = mx.pad(beta[:, t0:t1], pad + [(0, 0)])
+        N = -(-(t1 - t0) // C)
+        ins = [q, k, v, g, beta]
         if t0:
-            # Build this group's intra-chunk tensors only after the previous launch (peak memory ~ one group).
-            qg, kg, vg, gg, bg = mx.depends([qg, kg, vg, gg, bg], [state])
-        wq, uo, kgm, decay = _kda._intra_chunk(
-            *(_to_chunks(x, N, C) for x in (qg, kg, vg, gg)), _to_chunks(bg[..., None], N, C)[..., 0]
+            # Build this group's intra-chunk tensors only after the previous scan (peak memory ~ one group).
+            ins = mx.depends(ins, [state])
+        wq, uo, kg, decay = prep(
+            inputs=[*ins, mask, T, t0, t1],
+            template=prep_template,
+            grid=(32, N, B * H),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(N, B, H, 2 * C, Dk), (N, B, H, 2 * C, Dv), (N, B, H, C, Dk), (N, B, H, Dk)],
+            output_dtypes=[mx.float32] * 4,
         )
-        o, state = kernel(
-            inputs=[wq, uo, kgm, decay, state, mask[:, t0:t1], Tg],
-            template=template,
+        o, state = scan(
+            inputs=[wq, uo, kg, decay, state, mask[:, t0:t1], t1 - t0],
+            template=scan_template,
             grid=(32, Dv // 8, B * H),
             threadgroup=(32, simdgroups, 1),
-            output_shapes=[(B, Tg, H, Dv), (B, H, Dv, Dk)],
-            output_dtypes=[out_dtype, mx.float32],
+            output_shapes=[(B, t1 - t0, H, Dv), (B, H, Dv, Dk)],
+            output_dtypes=[v.dtype, mx.float32],
         )
         outs.append(o)
     o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
