@@ -1,7 +1,7 @@
 // KDA chunked prefill: the part that is sequential across chunks (inter-chunk state recurrence + outputs), on the
 // SIMD-group matrix units. Body for mx.fast.metal_kernel; host side: kimi_mlx/ops/kda_chunked_metal.py. The
-// intra-chunk quantities come from kimi_mlx.ops.kda._intra_chunk, so every decay factor was formed from exponents
-// <= 0 (safe at g = -1000); this kernel only multiplies and adds them.
+// intra-chunk quantities come from metal_kernels/kda_chunked_prep.metal (same values as kimi_mlx.ops.kda._intra_chunk),
+// where every decay factor was formed from exponents <= 0 (safe at g = -1000); this kernel only multiplies and adds.
 //
 // Per chunk n of C tokens, per (b, h), fla orientation S[Dk, Dv]:
 //   WS = WQ @ S;  Vnew = UO[:C] - WS[:C];  O = UO[C:] + WS[C:];  S <- diag(decay) S + Kg^T @ Vnew
@@ -13,7 +13,7 @@
 //
 // Grid (32, Dv / 8, B * H); threadgroup (32, SG, 1) for any SG (SIMD-groups of independent tiles; edge groups partial).
 // Template: OutT (output dtype), C (chunk size, a multiple of 8), Dk, Dv, H (ints; Dk, Dv multiples of 8).
-// Inputs (float32 unless noted; N = ceil(T / C) chunks, chunk-major like kda._intra_chunk's output):
+// Inputs (float32 unless noted; N = ceil(T / C) chunks, chunk-major, as kda_chunked_prep writes them):
 //   wq       [N, B, H, 2C, Dk]  [W; Q*exp(G) - Aqk W]
 //   uo       [N, B, H, 2C, Dv]  [U; Aqk U]
 //   kg       [N, B, H, C, Dk]   K * exp(G_C - G)

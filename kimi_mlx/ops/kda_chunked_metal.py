@@ -1,4 +1,4 @@
-"""Chunked (WY/UT) KDA prefill with the inter-chunk scan in one Metal kernel (``metal_kernels/kda_chunked_scan.metal``).
+"""Chunked (WY/UT) KDA prefill as two Metal kernels per group of chunks (``metal_kernels/kda_chunked_*.metal``).
 
 Same semantics, shapes and numerics as ``kimi_mlx.ops.kda.kda_chunked`` (see that module's docstring):
 
@@ -6,14 +6,18 @@ Same semantics, shapes and numerics as ``kimi_mlx.ops.kda.kda_chunked`` (see tha
 - state: ``[B, H, Dv, Dk]`` float32 or None (zeros); mask: ``[B, T]`` bool or None (True = real token).
 - Returns ``(o [B, T, H, Dv] in v.dtype, final state [B, H, Dv, Dk] float32)``.
 
-Split of the work: the intra-chunk quantities (hierarchical cumulative-product decays, the unit-lower-triangular
-inverse, ``[W; Q exp(G) - Aqk W]``, ``[U; Aqk U]``, ``K exp(G_C - G)``, ``exp(G_C)``) do not depend on the carried
-state and are computed for all chunks at once by the pure-MLX ``_intra_chunk`` (so every decay is a product of
-``exp(g <= 0)`` terms, safe at g = -1000). The part that is sequential across chunks (``S`` carried from chunk to
-chunk and the outputs that read it) runs in a single kernel launch per group of chunks instead of one MLX step per
-chunk. The kernel writes the outputs straight into ``[B, T, H, Dv]`` in the output dtype, zeros at masked tokens.
+Split of the work, per group of chunks (about ``kda.GROUP_ELEMS`` elements per intra-chunk buffer):
 
-No VJP (custom kernels have none): training uses the pure path (``kimi_mlx.metal.disabled()``).
+- ``kda_chunked_prep``: one threadgroup per chunk computes what does not depend on the carried state (the quantities of
+  ``kda._intra_chunk``: ``[W; Q exp(G) - Aqk W]``, ``[U; Aqk U]``, ``K exp(G_C - G)``, ``exp(G_C)``) straight from the
+  ``[B, T, H, D]`` inputs in their own dtype, with padding and masking (g = 0, beta = 0) applied in place. Every decay
+  is a running product of ``exp(g <= 0)`` factors (never a difference of cumulative sums), safe at g = -1000.
+- ``kda_chunked_scan``: the part that is sequential across chunks (``S`` carried from chunk to chunk and the outputs
+  that read it) on 8x8 SIMD-group matrices, writing ``o`` straight into ``[B, T, H, Dv]`` in v's dtype (zeros at
+  masked tokens) and the final state.
+
+So a prompt costs two launches per group instead of one MLX step per chunk. No VJP (custom kernels have none):
+training uses the pure path (``kimi_mlx.metal.disabled()``).
 """
 
 from __future__ import annotations
