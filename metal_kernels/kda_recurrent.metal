@@ -64,7 +64,7 @@ for (int t = 0; t < T; ++t) {
       if (LOWER_BOUND) {
         g = lower_bound / (1.0f + metal::exp(-rate * z));
       } else {
-        g = -rate * (metal::max(z, 0.0f) + log1p(metal::exp(-metal::abs(z))));
+        g = -rate * (metal::max(z, 0.0f) + log1p(metal::exp(-metal::fabs(z))));
       }
       qv[i] = qv[i] * rq * scale;
       kv[i] = kv[i] * rk;
