@@ -85,6 +85,8 @@ def test_bad_arguments_are_errors():
         attn_res_mix(blocks, scales, partial, w_eff[:32], EPS)
     with pytest.raises(ValueError, match="multiple of 32"):
         attn_res_mix_metal(blocks, scales, partial, w_eff, EPS, kernel=lambda **kw: None, threads=48)
+    with pytest.raises(ValueError, match="partial has dtype mlx.core.int32"):
+        attn_res_mix_metal(blocks, scales, partial.astype(mx.int32), w_eff, EPS, kernel=lambda **kw: None)
     with pytest.raises(ValueError, match="at least one block"):
         attn_res_mix_metal([], [], partial, w_eff, EPS, kernel=lambda **kw: None)
 

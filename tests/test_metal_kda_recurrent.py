@@ -113,6 +113,12 @@ def test_head_dims_not_multiple_of_32_is_an_error():
         kda_recurrent_metal(*args, **kw)
 
 
+def test_unsupported_dtype_is_an_error():
+    args, kw = make_inputs(1, 1, 1, 64, 64, mx.float32, None, False)
+    with pytest.raises(ValueError, match=r"f has dtype mlx.core.int32"):
+        kda_recurrent_metal(*args[:3], args[3].astype(mx.int32), *args[4:], **kw)
+
+
 def test_bad_shapes_name_the_argument():
     args, kw = make_inputs(1, 2, 2, 64, 64, mx.float32, None, False)
     bad_b = (*args[:4], args[4][:, :, :1], *args[5:])

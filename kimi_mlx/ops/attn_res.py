@@ -104,6 +104,8 @@ def attn_res_mix_metal(
         kernel = metal.kernel("attn_res_mix")
         if kernel is None:
             raise RuntimeError("attn_res_mix_metal: Metal kernels are not enabled (see kimi_mlx.metal.enabled)")
+    if partial.dtype not in (mx.float32, mx.float16, mx.bfloat16):
+        raise ValueError(f"attn_res_mix_metal: partial has dtype {partial.dtype}, expected float32/float16/bfloat16")
     d = partial.shape[-1]
     threads = min(256, 32 * -(-d // 256)) if threads is None else threads
     if threads % 32 or not 32 <= threads * rows_per_group <= 1024:

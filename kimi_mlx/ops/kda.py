@@ -385,6 +385,7 @@ def kda_forward(
 RECURRENT_KERNEL_MAX_T = 64
 
 metal.register("kda_recurrent")
+_KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def l2_normalize(x: mx.array, eps: float) -> mx.array:
@@ -510,6 +511,9 @@ def kda_recurrent_metal(
     Dv = v.shape[-1]
     if Dk % 32 or Dv % 32:
         raise ValueError(f"kda_recurrent Metal kernel: Dk and Dv must be multiples of 32, got Dk={Dk}, Dv={Dv}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("f", f), ("b", b)):
+        if x.dtype not in _KERNEL_DTYPES:
+            raise ValueError(f"kda_recurrent Metal kernel: {name} has dtype {x.dtype}, expected float32/float16/bfloat16")
     if kernel is None:
         kernel = metal.kernel("kda_recurrent")
         if kernel is None:
