@@ -49,11 +49,10 @@ def fuse_model(
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import dequantize_model
 
     from ..convert.writer import TOKENIZER_FILES, hf_config, to_mlx_lm_layout, write_model_dir
     from ..loading import _read_config, load_model, resolve_model_path
-    from ..tuner.adapters import fuse_adapters, load_adapters
+    from ..tuner.adapters import dequantize_all, fuse_adapters, load_adapters
     from .convert import DTYPE_NAMES, ConvertError, _check_out, quantization_entry
 
     out = Path(save_path).expanduser()
@@ -66,7 +65,7 @@ def fuse_model(
     config = load_adapters(model, adapter_path)
     n = fuse_adapters(model, dequantize=dequantize)
     if dequantize:
-        model = dequantize_model(model)
+        model = dequantize_all(model)
     mx.eval(model.parameters())
     params = dict(tree_flatten(model.parameters()))
     weights, quantization = to_mlx_lm_layout(params, cfg, quantization_entry(model))

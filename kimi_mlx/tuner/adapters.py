@@ -318,3 +318,23 @@ def fuse_adapters(model: nn.Module, dequantize: bool = False) -> int:
     if fused:
         model.update_modules(tree_unflatten(fused))
     return len(fused)
+
+
+def dequantize_all(model: nn.Module) -> nn.Module:
+    """Replace every quantized module by its float form, in place: mlx-lm's ``dequantize_model`` (Linear,
+    Embedding, SwitchLinear) plus the MLA ``QuantizedMultiLinear`` heads (``embed_q`` / ``unembed_out``), which it
+    leaves quantized."""
+    from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
+    from mlx_lm.utils import dequantize_model
+
+    model = dequantize_model(model)
+    heads = []
+    for path, m in model.named_modules():
+        if isinstance(m, QuantizedMultiLinear):
+            w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode)
+            dense = MultiLinear(w.shape[2], w.shape[1], w.shape[0])
+            dense.weight = w
+            heads.append((path, dense))
+    if heads:
+        model.update_modules(tree_unflatten(heads))
+    return model
