@@ -279,13 +279,18 @@ def _read_config(path: Path) -> dict:
     return raw
 
 
-def load(path_or_hf_id: Union[str, Path], dtype: Optional[mx.Dtype] = None, quantize=None, requantize: bool = False):
+def load(
+    path_or_hf_id: Union[str, Path], dtype: Optional[mx.Dtype] = None, quantize=None, requantize: bool = False,
+    adapter_path: Optional[Union[str, Path]] = None,
+):
     """``(model, tokenizer)`` like ``mlx_lm.load``.
 
     dtype: cast float weights (e.g. ``mx.float32``); router bias, A_log, dt_bias and conv weights stay float32.
         Default: as stored on the GPU, float32 on the CPU backend.
     quantize: None, bits (int), or ``{"bits", "group_size", "mode"}`` for on-load affine quantization.
     requantize: GGUF only: allow the lossy requantization of codebook (IQ*) tensors (an error otherwise).
+    adapter_path: a LoRA/DoRA adapter directory (``adapters.safetensors`` + ``adapter_config.json``, from
+        ``kimi-mlx lora`` or ``mlx_lm.lora``) applied on top; an adapter for another model is an ``AdapterError``.
     """
     if str(path_or_hf_id).endswith(".gguf"):  # one GGUF, or any shard of a -0000k-of-0000N.gguf split set
         gguf_file = GGUFFile(Path(path_or_hf_id).expanduser())
@@ -293,7 +298,17 @@ def load(path_or_hf_id: Union[str, Path], dtype: Optional[mx.Dtype] = None, quan
         model, _ = load_gguf_model(gguf_file, dtype=dtype, requantize=requantize)
         if quantize is not None and quantize is not False:
             quantize_model(model, _quantization_spec(quantize))
-        return model, tokenizer
+        return _with_adapters(model, adapter_path), tokenizer
     path = resolve_model_path(path_or_hf_id)
     model, _ = load_model(path, dtype=dtype, quantize=quantize)
-    return model, load_kimi_tokenizer(path)
+    return _with_adapters(model, adapter_path), load_kimi_tokenizer(path)
+
+
+def _with_adapters(model: nn.Module, adapter_path: Optional[Union[str, Path]]) -> nn.Module:
+    """``model`` with the adapters of ``adapter_path`` (if any) loaded, in eval mode."""
+    if adapter_path is not None:
+        from .tuner.adapters import load_adapters
+
+        load_adapters(model, adapter_path)
+        model.eval()
+    return model
