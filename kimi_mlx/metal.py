@@ -39,7 +39,7 @@ Test hook: ``with metal.emulated(factory):`` forces kernels on (whatever the dev
 them with ``factory`` instead of ``mx.fast.metal_kernel``; ``factory`` has the same signature, e.g.
 ``metal_emu.metal_kernel`` or ``functools.partial(metal_emu.metal_kernel, schedules=("forward", "reverse"))``.
 Emulated kernels run eagerly on concrete arrays, so ``mx.compile`` is disabled inside the block (and re-enabled on
-exit). ``tests/metal_support.py`` wraps this in fixtures.
+exit; ``keep_compile=True`` for a factory of real kernels). ``tests/metal_support.py`` wraps this in fixtures.
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ _files: dict[str, KernelFile] = {}
 _built: dict[tuple[int, str], Callable] = {}  # (id(factory), name) -> kernel
 _override: list[Callable] = []  # innermost emulated() factory last
 _disabled_depth = 0
+_compile_off = 0  # emulated() blocks that disabled mx.compile
 
 
 def register(name: str) -> KernelFile:
@@ -179,22 +180,28 @@ def disabled() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def emulated(factory: Callable) -> Iterator[None]:
+def emulated(factory: Callable, keep_compile: bool = False) -> Iterator[None]:
     """Test hook: kernels forced on and built with ``factory`` (same signature as ``mx.fast.metal_kernel``).
 
-    ``mx.compile`` is disabled inside the block, because an emulated kernel needs concrete inputs. Kernels built by
-    ``factory`` are dropped on exit (the factory may be a temporary ``functools.partial``).
+    ``mx.compile`` is disabled inside the block, because an emulated kernel needs concrete inputs; ``keep_compile``
+    leaves it on (for a factory that wraps real Metal kernels). Kernels built by ``factory`` are dropped on exit
+    (the factory may be a temporary closure).
     """
+    global _compile_off
     _override.append(factory)
-    mx.disable_compile()
+    if not keep_compile:
+        _compile_off += 1
+        mx.disable_compile()
     try:
         yield
     finally:
         _override.pop()
         for key in [k for k in _built if k[0] == id(factory)]:
             del _built[key]
-        if not _override:
-            mx.enable_compile()
+        if not keep_compile:
+            _compile_off -= 1
+            if not _compile_off:
+                mx.enable_compile()
 
 
 def with_reference_vjp(kernel_fn: Callable, reference_fn: Callable) -> Callable:

@@ -83,12 +83,12 @@ class KernelBackend:
     @contextlib.contextmanager
     def active(self) -> Iterator[KernelBackend]:
         """Within the block the ops dispatch to the kernels (through ``kimi_mlx.metal.emulated`` with a recording
-        factory, also on a GPU, which then is the default device)."""
+        factory, also on a GPU, which then is the default device and keeps ``mx.compile`` on)."""
         old = mx.default_device()
         if self.name == "gpu":
             mx.set_default_device(mx.gpu)
         try:
-            with metal.emulated(self._factory):
+            with metal.emulated(self._factory, keep_compile=self.name == "gpu"):
                 yield self
         finally:
             mx.set_default_device(old)

@@ -108,3 +108,34 @@ def test_emulated_builds_each_kernel_once_and_restores(monkeypatch):
     traced(mx.array(1.0))
     traced(mx.array(1.0))
     assert len(calls) == 1, "mx.compile must be re-enabled after emulated()"
+
+
+def test_emulated_nesting_and_keep_compile():
+    """keep_compile=True leaves mx.compile on; compile comes back after nested blocks in either order."""
+    calls = []
+
+    @mx.compile
+    def traced(x):
+        calls.append(1)
+        return x * 2
+
+    def compiled_now() -> bool:
+        calls.clear()
+        traced(mx.array([1.0, 2.0, 3.0]))
+        traced(mx.array([1.0, 2.0, 3.0]))
+        return len(calls) <= 1
+
+    def factory(**spec):
+        return spec
+
+    assert compiled_now()
+    with metal.emulated(factory, keep_compile=True):
+        assert metal.enabled() and compiled_now()
+        with metal.emulated(factory):
+            assert not compiled_now()
+        assert compiled_now()
+    with metal.emulated(factory):
+        with metal.emulated(factory, keep_compile=True):
+            assert not compiled_now()
+        assert not compiled_now()
+    assert compiled_now()
