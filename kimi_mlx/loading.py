@@ -8,6 +8,7 @@ quantized layout, checks every tensor against the model before loading, and opti
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
@@ -212,13 +213,17 @@ def _cast(dtype: Optional[mx.Dtype], keep_float32, param: str, value: mx.array) 
 
 
 def load_gguf_model(
-    g: GGUFFile, dtype: Optional[mx.Dtype] = None, requantize: bool = False, keep_quantized: bool = True
+    g: GGUFFile, dtype: Optional[mx.Dtype] = None, requantize: bool = False, keep_quantized: bool = True,
+    scale_dtype: mx.Dtype = mx.float32,
 ) -> tuple[Union[Model, K3Model], KimiConfig]:
     """Build the model for an open GGUF (single file or split set) and load its weights.
 
     Metadata, tensor names and shapes are all checked before any weight is decoded. Quantized GGUF tensors become
     MLX quantized layers via ``quant.to_mlx`` (exact where the block format maps exactly); tensors whose module
     stays float (routers, norms, convs, AttnRes scores) or all of them with ``keep_quantized=False`` are decoded.
+    ``scale_dtype``: affine scales/biases in float32 (bit-exact for the exact types) or float16/bfloat16
+    (compact: Q4_K 5 instead of 6 bits per weight; the error is measured and warned about once).
+    Each tensor's file pages are dropped from the resident set once copied, so peak RSS ~ the model's size.
     """
     cfg = build_config(g)
     model = (K3Model if cfg.is_k3 else Model)(cfg)
@@ -230,11 +235,20 @@ def load_gguf_model(
     quantizable = model.quant_predicate
     modules = dict(tree_flatten(model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)))
 
+    decoded: list = []  # tensors read since the last release: their file pages leave the resident set once copied
+
     def decode(info):
+        decoded.append(info)
         return decode_float(info, requantize)
+
+    def release() -> None:
+        for info in decoded:
+            info.release()
+        decoded.clear()
 
     weights: dict[str, mx.array] = {}
     qspecs: dict[str, dict] = {}
+    inexact: dict[str, list] = {}  # GGML type -> [tensor count, max abs error] of layouts that are not bit-exact
     for param, info in plan.direct.items():
         path = param.rsplit(".", 1)[0]
         module = modules.get(path)
@@ -242,18 +256,30 @@ def load_gguf_model(
             keep_quantized and info.type_name not in FLOAT_TYPES and param.endswith(".weight")
             and module is not None and quantizable(path, module)
         ):
-            layout = to_mlx(info.name, info.qtype, info.raw(), tuple(info.shape), requantize=requantize)
+            layout = to_mlx(info.name, info.qtype, info.raw(), tuple(info.shape), requantize=requantize,
+                            scale_dtype=scale_dtype)
+            if not layout["exact"]:
+                count = inexact.setdefault(info.type_name, [0, 0.0])
+                count[0], count[1] = count[0] + 1, max(count[1], layout["max_abs_error"])
             qspecs[path] = {"group_size": layout["group_size"], "bits": layout["bits"], "mode": layout["mode"]}
             weights[param] = layout["weight"]
             for extra in ("scales", "biases"):
                 if extra in layout:  # float32 scales/biases keep the exact types exact, whatever ``dtype``
                     weights[f"{path}.{extra}"] = layout[extra]
-            continue
-        weights[param] = _cast(dtype, keep, param, mx.array(decode(info)))
+            decoded.append(info)
+        else:
+            weights[param] = _cast(dtype, keep, param, mx.array(decode(info)))
+        mx.eval(weights[param])
+        release()
     for param, build in plan.built.items():
         weights[param] = _cast(dtype, keep, param, mx.array(build(decode)))
+        mx.eval(weights[param])
+        release()
     for param, shape in plan.ones.items():
         weights[param] = _cast(dtype, keep, param, mx.ones(shape))
+    if inexact:
+        detail = ", ".join(f"{t}: {n} tensors, max abs error {e:.3g}" for t, (n, e) in sorted(inexact.items()))
+        warnings.warn(f"{g.source}: not bit-exact in MLX ({detail}; scales {scale_dtype})", stacklevel=2)
     if qspecs:
         nn.quantize(model, class_predicate=lambda p, m: qspecs.get(p, False))
     try:
@@ -281,7 +307,7 @@ def _read_config(path: Path) -> dict:
 
 def load(
     path_or_hf_id: Union[str, Path], dtype: Optional[mx.Dtype] = None, quantize=None, requantize: bool = False,
-    adapter_path: Optional[Union[str, Path]] = None,
+    gguf_scale_dtype: mx.Dtype = mx.float32, adapter_path: Optional[Union[str, Path]] = None,
 ):
     """``(model, tokenizer)`` like ``mlx_lm.load``.
 
@@ -289,13 +315,15 @@ def load(
         Default: as stored on the GPU, float32 on the CPU backend.
     quantize: None, bits (int), or ``{"bits", "group_size", "mode"}`` for on-load affine quantization.
     requantize: GGUF only: allow the lossy requantization of codebook (IQ*) tensors (an error otherwise).
+    gguf_scale_dtype: GGUF only: dtype of the affine scales/biases: float32 (bit-exact) or float16/bfloat16
+        (compact; the error is warned about).
     adapter_path: a LoRA/DoRA adapter directory (``adapters.safetensors`` + ``adapter_config.json``, from
         ``kimi-mlx lora`` or ``mlx_lm.lora``) applied on top; an adapter for another model is an ``AdapterError``.
     """
     if str(path_or_hf_id).endswith(".gguf"):  # one GGUF, or any shard of a -0000k-of-0000N.gguf split set
         gguf_file = GGUFFile(Path(path_or_hf_id).expanduser())
         tokenizer = load_gguf_tokenizer(gguf_file)  # validates the tokenizer metadata before any weight is read
-        model, _ = load_gguf_model(gguf_file, dtype=dtype, requantize=requantize)
+        model, _ = load_gguf_model(gguf_file, dtype=dtype, requantize=requantize, scale_dtype=gguf_scale_dtype)
         if quantize is not None and quantize is not False:
             quantize_model(model, _quantization_spec(quantize))
         return _with_adapters(model, adapter_path), tokenizer

@@ -2,8 +2,11 @@
 and strict validation of malformed files (made here from the F32 fixtures)."""
 
 import json
+import re
+import warnings
 from pathlib import Path
 
+import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -13,7 +16,7 @@ from kimi_mlx.convert.gguf.tokenizer import load_gguf_tokenizer
 
 from kimi_mlx.loading import load_gguf_model
 
-gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
 
 GGUFS = [(d, q) for d in (KL_FIXTURE, K3_FIXTURE) for q in ("F32", "F16", "Q8_0")]
 
@@ -92,8 +95,9 @@ def test_config_from_metadata():
 # ------------------------------------------------------------------------------------------ malformed files
 
 
-def _rewrite(src: Path, dst: Path, *, drop=(), replace=None, extra=None, meta=None, split_max_tensors=0):
-    """Copy an F32 GGUF through gguf-py's writer with tensors dropped/replaced/added and metadata overridden."""
+def _rewrite(src: Path, dst: Path, *, drop=(), replace=None, extra=None, meta=None, split_max_tensors=0, raw=None):
+    """Copy an F32 GGUF through gguf-py's writer with tensors dropped/replaced/added and metadata overridden;
+    ``raw``: name -> (GGML type, uint8 block bytes) written as that quantized type."""
     r = gguf.GGUFReader(str(src))
     arch = r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch, split_max_tensors=split_max_tensors)
@@ -111,6 +115,11 @@ def _rewrite(src: Path, dst: Path, *, drop=(), replace=None, extra=None, meta=No
         w.add_key_value(key, field.contents(), vtype, sub)
     for t in r.tensors:
         if t.name in drop:
+            continue
+        if t.name in (raw or {}):
+            qtype, blocks = raw[t.name]
+            rows = tuple(int(x) for x in reversed(t.shape))[:-1]
+            w.add_tensor(t.name, blocks.reshape(*rows, -1), raw_dtype=qtype)
             continue
         data = (replace or {}).get(t.name)
         if data is None:
@@ -225,3 +234,136 @@ def test_dtype_is_respected():
     assert layer.self_attn.A_log.dtype == mx.float32 and layer.self_attn.qkv_conv.weight.dtype == mx.float32
     model, _ = kimi_mlx.load(str(_file(KL_FIXTURE, "Q8_0")), dtype=mx.bfloat16)
     assert model.model.layers[0].self_attn.q_proj.scales.dtype == mx.float32
+
+
+def _mapped_rss(path: Path) -> int:
+    """Resident bytes of this process's mappings of ``path`` (from /proc/self/smaps)."""
+    rss, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's header line
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            rss += int(head[1]) * 1024
+    return rss
+
+
+def test_loading_releases_file_pages():
+    """Each tensor's file pages leave the resident set once copied into MLX (TensorInfo.release), so peak RSS while
+    loading is about the model's size, not model + file (bench/bench_gguf_load.py measures it on a 2 GiB file)."""
+    f = _file(KL_FIXTURE, "F32")
+    g = GGUFFile(f)
+    info = g.tensors["token_embd.weight"]  # the largest tensor: 512 KiB
+    before = _mapped_rss(f)
+    data = info.raw().copy()
+    touched = _mapped_rss(f)
+    assert touched - before >= data.nbytes * 0.9
+    info.release()
+    assert touched - _mapped_rss(f) >= data.nbytes * 0.8, "release() left the tensor's pages resident"
+    np.testing.assert_array_equal(info.raw(), data)  # reading again faults the unchanged pages back in
+    info.release()
+    model, _ = load_gguf_model(g, dtype=mx.float32)
+    # small tensors share pages and the kernel maps 64 KiB around each fault, so a little stays resident
+    assert _mapped_rss(f) < 0.5 * f.stat().st_size, "the GGUF's tensor pages stayed resident after loading"
+    np.testing.assert_array_equal(np.array(model.model.embed_tokens.weight), data.view(np.float32).reshape(info.shape))
+
+
+def test_compact_scales_are_warned_about():
+    """gguf_scale_dtype=float16: Q8_0 scales/biases are float16 (compact) and the load warns that MLX's fp16
+    dequantization is not bit-exact, with the measured error; logits stay close to llama.cpp's."""
+    import kimi_mlx
+    from mlx.utils import tree_flatten
+
+    f = _file(KL_FIXTURE, "Q8_0")
+    with pytest.warns(UserWarning, match=r"not bit-exact in MLX \(Q8_0: \d+ tensors, max abs error"):
+        model, _ = kimi_mlx.load(str(f), dtype=mx.float32, gguf_scale_dtype=mx.float16)
+    scales = [v for k, v in tree_flatten(model.parameters()) if k.endswith(".scales")]
+    assert scales and all(v.dtype == mx.float16 for v in scales)
+    ref = np.load(str(f)[:-5] + ".dequant_f32.logits.npy")
+    assert np.abs(_logits(model, _manifest(KL_FIXTURE)["token_ids"]) - ref).max() < 1e-2
+
+
+def _experts_as(src: Path, tmp: Path, qtypes: dict) -> tuple[Path, Path]:
+    """Two GGUFs from an F32 fixture: routed-expert tensors (``ffn_{gate,up,down}_exps``) stored as the given block
+    types (random well-formed blocks from test_gguf_quant's encoders), and the same values as F32 (the reference:
+    gguf-py's dequantization of those blocks)."""
+    from test_gguf_quant import make
+
+    r = gguf.GGUFReader(str(src))
+    raw, ref = {}, {}
+    for i, t in enumerate(r.tensors):
+        kind = next((k for k in qtypes if t.name.endswith(f"ffn_{k}_exps.weight")), None)
+        if kind is None:
+            continue
+        shape = tuple(int(x) for x in reversed(t.shape))
+        blocks, _ = make(qtypes[kind], shape, seed=i)
+        raw[t.name] = (qtypes[kind], blocks)
+        ref[t.name] = gguf.quants.dequantize(blocks.reshape(*shape[:-1], -1), qtypes[kind])
+    assert raw, f"{src}: no routed-expert tensors"
+    return _rewrite(src, tmp / "quant.gguf", raw=raw), _rewrite(src, tmp / "ref.gguf", replace=ref)
+
+
+EXPERT_LAYOUTS = [
+    ("kimi_k3-MXFP4", K3_FIXTURE, {"gate": T.MXFP4, "up": T.MXFP4, "down": T.MXFP4}),
+    ("kimi_linear-Q4_K-Q5_1", KL_FIXTURE, {"gate": T.Q4_K, "up": T.Q4_K, "down": T.Q5_1}),
+    ("kimi_linear-TQ2_0-Q4_0", KL_FIXTURE, {"gate": T.TQ2_0, "up": T.TQ2_0, "down": T.Q4_0}),
+]
+
+
+@pytest.mark.parametrize("name,d,qtypes", EXPERT_LAYOUTS, ids=[e[0] for e in EXPERT_LAYOUTS])
+def test_quantized_experts_end_to_end(tmp_path, name, d, qtypes):
+    """A GGUF whose routed experts are stored in an exact block type loads into MLX quantized expert stacks
+    (gather_qmm-ready, mode/bits of the type) whose logits equal the model loaded from gguf-py's F32
+    dequantization of the same blocks (<= 1e-4), with no precision warning."""
+    import kimi_mlx
+
+    quant, ref = _experts_as(_file(d, "F32"), tmp_path, qtypes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model, _ = kimi_mlx.load(str(quant), dtype=mx.float32)
+    ids = _manifest(d)["token_ids"]
+    want = _logits(kimi_mlx.load(str(ref), dtype=mx.float32)[0], ids)
+    assert np.abs(_logits(model, ids) - want).max() <= 1e-4
+    from mlx.utils import tree_flatten
+
+    experts = [k for k, v in tree_flatten(model.parameters()) if "switch_mlp" in k and k.endswith(".scales")]
+    assert experts, "routed experts were not kept quantized"
+
+
+def test_codebook_experts_end_to_end(tmp_path):
+    """IQ4_NL routed experts (what public low-bit K3 GGUFs use): loading refuses with an error naming the tensor,
+    the type and requantize; with requantize=True it loads, warns with the size and error cost, and the logits
+    stay close to the F32 dequantization of the same blocks."""
+    import kimi_mlx
+
+    rng = np.random.default_rng(11)
+    src = _file(K3_FIXTURE, "F32")
+    raw, ref = {}, {}
+    for t in gguf.GGUFReader(str(src)).tensors:
+        if t.name.endswith("_exps.weight"):
+            shape = tuple(int(x) for x in reversed(t.shape))
+            nb = int(np.prod(shape)) // 32
+            d = np.float16(rng.uniform(2e-4, 6e-4, nb)).view(np.uint8).reshape(nb, 2)
+            blocks = np.concatenate([d, rng.integers(0, 256, (nb, 16), dtype=np.uint8)], 1).reshape(-1)
+            raw[t.name] = (T.IQ4_NL, blocks)
+            ref[t.name] = gguf.quants.dequantize(blocks.reshape(*shape[:-1], -1), T.IQ4_NL)
+    quant, ref_file = _rewrite(src, tmp_path / "iq.gguf", raw=raw), _rewrite(src, tmp_path / "ref.gguf", replace=ref)
+    with pytest.raises(Exception, match=r"_exps\.weight.*IQ4_NL.*requantize"):
+        kimi_mlx.load(str(quant))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, _ = kimi_mlx.load(str(quant), dtype=mx.float32, requantize=True)
+    text = " ".join(str(w.message) for w in caught)
+    assert re.search(r"IQ4_NL re-quantized to MLX affine 4-bit.* bytes .*max abs error", text), text
+    err = float(re.search(r"IQ4_NL: \d+ tensors, max abs error ([0-9.e-]+)", text).group(1))
+    layers = model.language_model.model.layers
+    for name, want in ref.items():
+        i, kind = int(name.split(".")[1]), name.split(".")[2].split("_")[1]
+        q = getattr(layers[i].mlp.switch_mlp, f"{kind}_proj")
+        got = np.array(mx.dequantize(q.weight, q.scales, q.biases, group_size=q.group_size, bits=q.bits))
+        assert 0 < np.abs(got - want).max() <= err * (1 + 1e-3), name
+        assert err <= 0.1 * np.abs(want).max()  # about half a 4-bit step of the block range
+    ids = _manifest(K3_FIXTURE)["token_ids"]
+    want = _logits(kimi_mlx.load(str(ref_file), dtype=mx.float32)[0], ids).reshape(-1)
+    got = _logits(model, ids).reshape(-1)
+    assert np.dot(got, want) / (np.linalg.norm(got) * np.linalg.norm(want)) > 0.9

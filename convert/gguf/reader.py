@@ -34,6 +34,7 @@ class TensorInfo:
     shape: tuple  # numpy order (reversed ggml ne)
     file: str
     _tensor: Any  # gguf ReaderTensor (memory-mapped)
+    _map: Optional[mmap.mmap] = None  # the file's memory map (for ``release``)
 
     @property
     def type_name(self) -> str:
@@ -42,6 +43,19 @@ class TensorInfo:
     def raw(self) -> np.ndarray:
         """The tensor's bytes as a flat uint8 array (a view into the memory map)."""
         return np.asarray(self._tensor.data).reshape(-1).view(np.uint8)
+
+    def release(self) -> None:
+        """Drop this tensor's file pages from the process's resident set (the OS page cache keeps them).
+
+        Called once a tensor has been copied into MLX, so loading never holds the mapped file and the model's
+        arrays resident at once (peak RSS ~ model size, not model + file). Reading the tensor again faults the
+        pages back in from the file.
+        """
+        if self._map is None:
+            return
+        start = int(self._tensor.data_offset)
+        aligned = start - start % mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, aligned, start + int(self._tensor.n_bytes) - aligned)
 
 
 def split_files(path: Union[str, Path]) -> list[Path]:
@@ -360,7 +374,9 @@ class GGUFFile:
                 raise GGUFFormatError(
                     f"{file}: tensor '{t.name}' has {np.asarray(t.data).nbytes} data bytes; expected {t.n_bytes}"
                 )
-            self.tensors[t.name] = TensorInfo(t.name, t.tensor_type, tuple(reversed(ne)), str(file), t)
+            self.tensors[t.name] = TensorInfo(
+                t.name, t.tensor_type, tuple(reversed(ne)), str(file), t, getattr(reader.data, "_mmap", None)
+            )
 
     # ------------------------------------------------------------------ typed metadata access
 

@@ -42,6 +42,9 @@ def add_parser(commands) -> None:
                         "router bias stay float32)")
     p.add_argument("--requantize", action="store_true",
                    help="GGUF: allow the lossy requantization of codebook (IQ*) tensors")
+    p.add_argument("--gguf-scales", choices=("float32", "float16", "bfloat16"), default="float32",
+                   help="GGUF: dtype of the affine scales/biases (float32: bit-exact; float16/bfloat16: compact, "
+                        "Q4_K/Q5_K 1 bit per weight smaller, error warned about)")
     p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -97,7 +100,7 @@ def _load_source(args, dtype):
         stored = {"F16": mx.float16, "BF16": mx.bfloat16, "F32": mx.float32}.get(sizes.most_common(1)[0][0])
         wrapper = load_gguf_tokenizer(g)
         tok = wrapper._tokenizer
-        model, cfg = load_gguf_model(g, dtype=dtype, requantize=args.requantize)
+        model, cfg = load_gguf_model(g, dtype=dtype, requantize=args.requantize, scale_dtype=DTYPES[args.gguf_scales])
         ranks = {tok.token_bytes(i): i for i in range(tok.n_ranks)}
         files = {
             "tiktoken.model": tiktoken_file_text(ranks),
