@@ -252,11 +252,10 @@ def make_shards(weights: Mapping[str, mx.array], max_bytes: int = MAX_SHARD_BYTE
     return shards
 
 
-def _bar(total: int, desc: str, unit: str, progress: bool):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm comes with gguf
-        return None
+def progress_bar(total: int, desc: str, unit: str, progress: bool):
+    """A tqdm bar on stderr (tqdm comes with gguf), disabled when ``progress`` is False."""
+    from tqdm import tqdm
+
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, disable=not progress,
                 leave=False)
 
@@ -270,7 +269,7 @@ def save_weights(out_dir: Path, weights: Mapping[str, mx.array], max_shard_bytes
         ["model.safetensors"] if len(shards) == 1
         else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     )
-    bar = _bar(total, "writing", "B", progress)
+    bar = progress_bar(total, "writing", "B", progress)
     weight_map = {}
     for name, shard in zip(names, shards):
         for key, value in shard.items():  # materialise tensor by tensor (layout splits, casts), then write the shard

@@ -22,6 +22,7 @@ from .convert.gguf.quant import to_mlx
 from .convert.gguf.reader import GGUFFile, GGUFFormatError
 from .convert.gguf.tokenizer import load_gguf_tokenizer
 from .convert.hf import CheckpointError
+from .convert.writer import progress_bar
 from .models.kimi_k3 import K3Model
 from .models.kimi_linear import Model
 from .tokenizer import load_kimi_tokenizer
@@ -214,7 +215,7 @@ def _cast(dtype: Optional[mx.Dtype], keep_float32, param: str, value: mx.array) 
 
 def load_gguf_model(
     g: GGUFFile, dtype: Optional[mx.Dtype] = None, requantize: bool = False, keep_quantized: bool = True,
-    scale_dtype: mx.Dtype = mx.float32,
+    scale_dtype: mx.Dtype = mx.float32, progress: bool = False,
 ) -> tuple[Union[Model, K3Model], KimiConfig]:
     """Build the model for an open GGUF (single file or split set) and load its weights.
 
@@ -224,6 +225,7 @@ def load_gguf_model(
     ``scale_dtype``: affine scales/biases in float32 (bit-exact for the exact types) or float16/bfloat16
     (compact: Q4_K 5 instead of 6 bits per weight; the error is measured and warned about once).
     Each tensor's file pages are dropped from the resident set once copied, so peak RSS ~ the model's size.
+    ``progress``: a bar over the tensor bytes on stderr.
     """
     cfg = build_config(g)
     model = (K3Model if cfg.is_k3 else Model)(cfg)
@@ -249,7 +251,10 @@ def load_gguf_model(
     weights: dict[str, mx.array] = {}
     qspecs: dict[str, dict] = {}
     inexact: dict[str, list] = {}  # GGML type -> [tensor count, max abs error] of layouts that are not bit-exact
+    bar = progress_bar(sum(i.raw().nbytes for i in g.tensors.values()), f"loading {Path(g.source).name}", "B",
+                       progress)
     for param, info in plan.direct.items():
+        bar.update(info.raw().nbytes)
         path = param.rsplit(".", 1)[0]
         module = modules.get(path)
         if (
@@ -274,7 +279,9 @@ def load_gguf_model(
     for param, build in plan.built.items():
         weights[param] = _cast(dtype, keep, param, mx.array(build(decode)))
         mx.eval(weights[param])
+        bar.update(sum(i.raw().nbytes for i in decoded))
         release()
+    bar.close()
     for param, shape in plan.ones.items():
         weights[param] = _cast(dtype, keep, param, mx.ones(shape))
     if inexact:
@@ -308,6 +315,7 @@ def _read_config(path: Path) -> dict:
 def load(
     path_or_hf_id: Union[str, Path], dtype: Optional[mx.Dtype] = None, quantize=None, requantize: bool = False,
     gguf_scale_dtype: mx.Dtype = mx.float32, adapter_path: Optional[Union[str, Path]] = None,
+    progress: bool = False,
 ):
     """``(model, tokenizer)`` like ``mlx_lm.load``.
 
@@ -319,11 +327,13 @@ def load(
         (compact; the error is warned about).
     adapter_path: a LoRA/DoRA adapter directory (``adapters.safetensors`` + ``adapter_config.json``, from
         ``kimi-mlx lora`` or ``mlx_lm.lora``) applied on top; an adapter for another model is an ``AdapterError``.
+    progress: GGUF only: a progress bar over the tensor bytes on stderr.
     """
     if str(path_or_hf_id).endswith(".gguf"):  # one GGUF, or any shard of a -0000k-of-0000N.gguf split set
         gguf_file = GGUFFile(Path(path_or_hf_id).expanduser())
         tokenizer = load_gguf_tokenizer(gguf_file)  # validates the tokenizer metadata before any weight is read
-        model, _ = load_gguf_model(gguf_file, dtype=dtype, requantize=requantize, scale_dtype=gguf_scale_dtype)
+        model, _ = load_gguf_model(gguf_file, dtype=dtype, requantize=requantize, scale_dtype=gguf_scale_dtype,
+                                   progress=progress)
         if quantize is not None and quantize is not False:
             quantize_model(model, _quantization_spec(quantize))
         return _with_adapters(model, adapter_path), tokenizer

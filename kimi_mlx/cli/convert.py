@@ -100,7 +100,8 @@ def _load_source(args, dtype):
         stored = {"F16": mx.float16, "BF16": mx.bfloat16, "F32": mx.float32}.get(sizes.most_common(1)[0][0])
         wrapper = load_gguf_tokenizer(g)
         tok = wrapper._tokenizer
-        model, cfg = load_gguf_model(g, dtype=dtype, requantize=args.requantize, scale_dtype=DTYPES[args.gguf_scales])
+        model, cfg = load_gguf_model(g, dtype=dtype, requantize=args.requantize, scale_dtype=DTYPES[args.gguf_scales],
+                                     progress=not args.quiet)
         ranks = {tok.token_bytes(i): i for i in range(tok.n_ranks)}
         files = {
             "tiktoken.model": tiktoken_file_text(ranks),
