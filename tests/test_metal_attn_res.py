@@ -4,7 +4,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from metal_support import assert_matches, kernels_fixture, strict_kernels_fixture  # noqa: F401  (fixtures)
+from metal_support import KernelBackend, assert_matches, kernels_fixture, strict_kernels_fixture  # noqa: F401
 
 from kimi_mlx import metal
 from kimi_mlx.ops.attn_res import attn_res_mix, attn_res_mix_metal, inv_rms
@@ -62,6 +62,15 @@ def test_no_races_or_uninitialised_reads(strict_kernels):
         mx.eval(got)
     strict_kernels.assert_clean()
     assert_matches(got, ref)
+
+
+def test_thread_sanitizer_clean():
+    """Under ThreadSanitizer (emulator; on a GPU a plain run) the threadgroup reduction reports no data race."""
+    tsan = KernelBackend(race_check=True)
+    blocks, scales, partial, w_eff = make_inputs(2, 1, 4, 80, mx.float32)
+    with tsan.active():
+        mx.eval(attn_res_mix_metal(blocks, scales, partial, w_eff, EPS, threads=64, rows_per_group=3))
+    tsan.assert_clean()
 
 
 def test_dispatch(kernels):
