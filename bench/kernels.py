@@ -28,19 +28,24 @@ import mlx.core as mx
 
 from kimi_mlx import metal
 from kimi_mlx.ops.attn_res import attn_res_mix, inv_rms
-from kimi_mlx.ops.kda import kda_gated, kda_recurrent_metal
+from kimi_mlx.ops.kda import RECURRENT_MAX_T, kda_chunked, kda_gated, kda_recurrent_metal
+from kimi_mlx.ops.kda_chunked_metal import kda_chunked_metal
 
 
 def timeit(fn, reps: int) -> float:
-    """Median wall time of ``fn()`` (which must evaluate its result) in ms, after two warm-up calls."""
-    fn()
-    fn()
+    """Median wall time of ``mx.eval(fn())`` in ms, after two warm-up calls."""
+    mx.eval(fn())
+    mx.eval(fn())
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
-        fn()
+        mx.eval(fn())
         ts.append(time.perf_counter() - t)
     return statistics.median(ts) * 1e3
+
+
+def max_diff(a: mx.array, b: mx.array) -> float:
+    return float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max())
 
 
 def kda_inputs(B, T, H, D, dtype, seed=0):
@@ -63,20 +68,50 @@ def bench_kda(T, args, dtype):
     kw = {"lower_bound": None, "l2_eps": 1e-6, "state": state}
 
     def ours():
-        mx.eval(kda_gated(q, k, v, f, b, A_log, dt_bias, **kw))
+        return kda_gated(q, k, v, f, b, A_log, dt_bias, **kw)
 
     def recurrent():
-        mx.eval(kda_recurrent_metal(q, k, v, f, b, A_log, dt_bias, **kw))
+        return kda_recurrent_metal(q, k, v, f, b, A_log, dt_bias, **kw)
 
     def pure():
         with metal.disabled():
-            mx.eval(kda_gated(q, k, v, f, b, A_log, dt_bias, **kw))
+            return kda_gated(q, k, v, f, b, A_log, dt_bias, **kw)
 
     def mlx_lm():
         qn, kn = normalize_qk(q, k, inv_scale=D**-0.5, eps=1e-6)
-        mx.eval(gated_delta_update(qn, kn, v, f, b, A_log[:, None], dt_bias.reshape(H, D), state))
+        return gated_delta_update(qn, kn, v, f, b, A_log[:, None], dt_bias.reshape(H, D), state)
 
     return {"kimi-mlx kernels": ours, "recurrent kernel": recurrent, "pure MLX": pure, "mlx-lm": mlx_lm}
+
+
+def bench_kda_chunked(T, args, dtype):
+    """The chunked prefill alone on prepared inputs (normalised q/k, log-decay g, beta): prep + scan kernels vs the
+    pure-MLX chunked path (chunk 16) vs mlx-lm's gated_delta_kernel (vector gate exp(g), token by token; its ops
+    fallback where mlx-lm built no kernel, i.e. in the emulator smoke run)."""
+    from mlx_lm.models.gated_delta import gated_delta_kernel, gated_delta_ops
+
+    lm_scan = gated_delta_kernel if mx.metal.is_available() else gated_delta_ops
+
+    B, H, D = 1, args.H, args.D
+    q, k, v, f, b, A_log, dt_bias, state = kda_inputs(B, T, H, D, dtype)
+    q = (q * mx.rsqrt((q.astype(mx.float32) ** 2).sum(-1, keepdims=True) + 1e-6) * D**-0.5).astype(dtype)
+    k = (k * mx.rsqrt((k.astype(mx.float32) ** 2).sum(-1, keepdims=True) + 1e-6)).astype(dtype)
+    g = -mx.exp(A_log)[:, None] * mx.logaddexp(f.astype(mx.float32).reshape(B, T, H, D) + dt_bias.reshape(H, D), 0.0)
+    beta = mx.sigmoid(b.astype(mx.float32))
+    alpha = mx.exp(g)
+    mx.eval(q, k, g, beta, alpha)
+
+    def kernels():
+        mx.eval(kda_chunked_metal(q, k, v, g, beta, state))
+
+    def pure():
+        with metal.disabled():
+            mx.eval(kda_chunked(q, k, v, g, beta, state))
+
+    def mlx_lm():
+        mx.eval(lm_scan(q, k, v, alpha, beta, state))
+
+    return {"chunked kernels": kernels, "pure chunked": pure, "mlx-lm": mlx_lm}
 
 
 def bench_attn_res(T, args, dtype):
@@ -94,21 +129,26 @@ def bench_attn_res(T, args, dtype):
     mx.eval(blocks, scales, partial, w_eff, lm_blocks.raw, lm_blocks.inv_rms)
 
     def ours():
-        mx.eval(attn_res_mix(blocks, scales, partial, w_eff, 1e-6))
+        return (attn_res_mix(blocks, scales, partial, w_eff, 1e-6),)
 
     def pure():
         with metal.disabled():
-            mx.eval(attn_res_mix(blocks, scales, partial, w_eff, 1e-6))
+            return (attn_res_mix(blocks, scales, partial, w_eff, 1e-6),)
 
     def mlx_lm():
-        mx.eval(lm_k3._attn_res_mix(lm_blocks, partial, w_eff, 1e-6))
+        return (lm_k3._attn_res_mix(lm_blocks, partial, w_eff, 1e-6),)
 
     return {"kimi-mlx kernel": ours, "pure MLX": pure, "mlx-lm": mlx_lm}
 
 
 def run(args) -> None:
     dtype = getattr(mx, args.dtype)
-    for title, make, Ts in (("KDA", bench_kda, args.T), ("AttnRes mix", bench_attn_res, args.T)):
+    sections = (
+        ("KDA", bench_kda, args.T),
+        ("KDA chunked prefill, prepared inputs", bench_kda_chunked, [T for T in args.T if T > RECURRENT_MAX_T]),
+        ("AttnRes mix", bench_attn_res, args.T),
+    )
+    for title, make, Ts in sections:
         print(f"\n== {title} ({args.dtype}; ms, median of {args.reps})")
         header = None
         for T in Ts:
@@ -118,6 +158,9 @@ def run(args) -> None:
                 print(" | ".join(f"{h:>16}" for h in header))
             times = [timeit(fn, args.reps) for fn in fns.values()]
             print(" | ".join([f"{T:>16}"] + [f"{t:16.3f}" for t in times]))
+            ref = fns["pure MLX"]()[0]
+            diffs = ", ".join(f"{name} {max_diff(fn()[0], ref):.2g}" for name, fn in fns.items() if name != "pure MLX")
+            print(f"{'':>16}   max |output - pure MLX|: {diffs}")
 
 
 def main(argv=None) -> int:

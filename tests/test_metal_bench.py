@@ -15,9 +15,9 @@ def test_bench_runs_every_path(tmp_path):
     args = tiny if backend_name() == "gpu" else ["--emulator", str(EMU_DIR)]
     r = subprocess.run([sys.executable, str(BENCH), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    for row in ("kimi-mlx kernels", "recurrent kernel", "pure MLX", "mlx-lm", "kimi-mlx kernel"):
+    for row in ("kimi-mlx kernels", "recurrent kernel", "pure MLX", "mlx-lm", "kimi-mlx kernel", "chunked kernels"):
         assert row in r.stdout, r.stdout
-    assert len([ln for ln in r.stdout.splitlines() if ln.strip().startswith("70 |")]) == 2, r.stdout
+    assert len([ln for ln in r.stdout.splitlines() if ln.strip().startswith("70 |")]) == 3, r.stdout
 
 
 def test_bench_without_metal_says_so(tmp_path):
