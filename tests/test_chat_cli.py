@@ -192,3 +192,25 @@ def test_generate_seed_and_flag_errors(capsys):
     assert rc == 2 and "--think/--no-think needs --chat" in err
     rc, _, err = _generate(capsys, "--prompt", "Hi", "--chat", "--think")
     assert rc == 2 and "no thinking section" in err
+
+
+def test_repl_context_full_message(monkeypatch):
+    """With --max-kv-size, the REPL prints the context-full message when a reply reaches the limit and when the next
+    message no longer fits, and keeps running."""
+    import mlx.core as mx
+
+    from kimi_mlx import load
+    from kimi_mlx.chat_session import ChatSession
+
+    model, tok = load("demo", dtype=mx.float32)
+    probe = ChatSession(model, tok)
+    probe.messages.append({"role": "user", "content": "Hi"})
+    limit = len(probe.render()) + 4
+    lines = iter(["Hi", "More please", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt: next(lines))
+    out = io.StringIO()
+    Repl(ChatSession(model, tok, max_tokens=50, max_kv_size=limit), hide_reasoning=False, out=out).loop()
+    text = out.getvalue()
+    assert "[context full: the reply stopped at the limit (max_kv_size" in text and "| context]" in text
+    assert "[error: context full: the conversation is " in text and f"the limit (max_kv_size) is {limit};" in text
+    assert text.count("| context]") == 1  # the refused message produced no reply

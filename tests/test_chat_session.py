@@ -231,3 +231,27 @@ def test_k3_format_session(k3_model, tmp_path):
         assert prompt[-len(tail) :] == tail
         _run(s.send(f"Question with thinking={thinking}"))
         _check_turn(s, prompt, reply)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Get weather",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+def test_tool_round(demo):
+    """Tools are declared in the prompt; after an assistant tool call, ``tool_results`` adds the tool message
+    (with the call's id) and the reply equals the fresh reference on the whole rendered round."""
+    model, tok = demo
+    s = ChatSession(model, tok, tools=TOOLS, max_tokens=N)
+    _run(s.send("Weather in Tokyo?"))
+    assert b"get_weather" in bytes(t for t in s.tokens if t < 256)
+    call = {"id": "functions.get_weather:0", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Tokyo"}'}}
+    s.messages[-1] = {"role": "assistant", "content": "", "tool_calls": [call]}
+    s.messages.append({"role": "tool", "tool_call_id": call["id"], "name": "get_weather", "content": "22C sunny"})
+    prompt, reply = _fresh_reply(s)
+    s.messages.pop()
+    _run(s.tool_results([(call, "22C sunny")]))
+    assert [m["role"] for m in s.messages] == ["user", "assistant", "tool", "assistant"]
+    assert s.messages[2]["tool_call_id"] == "functions.get_weather:0"
+    _check_turn(s, prompt, reply)
