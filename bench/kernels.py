@@ -86,8 +86,8 @@ def bench_kda(T, args, dtype):
 
 def bench_kda_chunked(T, args, dtype):
     """The chunked prefill alone on prepared inputs (normalised q/k, log-decay g, beta): prep + scan kernels vs the
-    pure-MLX chunked path (chunk 16) vs mlx-lm's gated_delta_kernel (vector gate exp(g), token by token; its ops
-    fallback where mlx-lm built no kernel, i.e. in the emulator smoke run)."""
+    pure-MLX chunked path (``kda_chunked``, chunk 16) vs mlx-lm's gated_delta_kernel (vector gate exp(g), token by
+    token; its ops fallback where mlx-lm built no kernel, i.e. in the emulator smoke run)."""
     from mlx_lm.models.gated_delta import gated_delta_kernel, gated_delta_ops
 
     lm_scan = gated_delta_kernel if mx.metal.is_available() else gated_delta_ops
@@ -102,16 +102,16 @@ def bench_kda_chunked(T, args, dtype):
     mx.eval(q, k, g, beta, alpha)
 
     def kernels():
-        mx.eval(kda_chunked_metal(q, k, v, g, beta, state))
+        return kda_chunked_metal(q, k, v, g, beta, state)
 
     def pure():
         with metal.disabled():
-            mx.eval(kda_chunked(q, k, v, g, beta, state))
+            return kda_chunked(q, k, v, g, beta, state)
 
     def mlx_lm():
-        mx.eval(lm_scan(q, k, v, alpha, beta, state))
+        return lm_scan(q, k, v, alpha, beta, state)
 
-    return {"chunked kernels": kernels, "pure chunked": pure, "mlx-lm": mlx_lm}
+    return {"chunked kernels": kernels, "pure MLX": pure, "mlx-lm": mlx_lm}
 
 
 def bench_attn_res(T, args, dtype):
