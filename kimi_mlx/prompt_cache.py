@@ -12,7 +12,8 @@ Layout (format ``kimi-mlx-prompt-cache``, version 1)::
 
 ``load_prompt_cache`` refuses, with an error naming the file and the mismatch, a file of another format or version,
 made for another architecture, layer schedule, config (the differing keys are named) or weights (a fingerprint of
-the norm weights, which quantization and dtype casts leave within tolerance), or with arrays of the wrong shape.
+the norm weights and of any LoRA/DoRA adapter weights, which quantization and dtype casts leave within tolerance), or
+with arrays of the wrong shape.
 """
 
 from __future__ import annotations
@@ -53,11 +54,14 @@ def _config_dict(model: nn.Module) -> dict:
 
 
 def _weights_fingerprint(model: nn.Module) -> list[float]:
-    """[sum |w|, sum w^2] over every norm weight (float64): cheap, and independent of quantization of projections."""
-    norms = [v for k, v in tree_flatten(model.parameters()) if k.endswith("norm.weight")]
-    total_abs = sum(mx.abs(v.astype(mx.float32)).sum().item() for v in norms)
-    total_sq = sum(mx.square(v.astype(mx.float32)).sum().item() for v in norms)
-    return [float(total_abs), float(total_sq)]
+    """[sum |w|, sum w^2] over every norm weight, then [sum |w|, sum w^2] over LoRA/DoRA adapter weights (0 without
+    adapters): cheap, and independent of the quantization or dtype of the projections."""
+    params = tree_flatten(model.parameters())
+    out = []
+    for chosen in ([v for k, v in params if k.endswith("norm.weight")], [v for k, v in params if ".lora_" in k]):
+        out.append(float(sum(mx.abs(v.astype(mx.float32)).sum().item() for v in chosen)))
+        out.append(float(sum(mx.square(v.astype(mx.float32)).sum().item() for v in chosen)))
+    return out
 
 
 def model_identity(model: nn.Module) -> dict[str, str]:
@@ -134,9 +138,13 @@ def _check_identity(source: str, meta: dict[str, str], model: nn.Module) -> None
     except (json.JSONDecodeError, TypeError, ValueError):
         raise PromptCacheError(f"{source}: metadata 'weights_fingerprint' is missing or malformed") from None
     ours_fp = json.loads(mine["weights_fingerprint"])
-    if len(theirs_fp) != 2 or not all(math.isclose(a, b, rel_tol=_FINGERPRINT_RTOL) for a, b in zip(theirs_fp, ours_fp)):
+    same = len(theirs_fp) == len(ours_fp) and all(
+        math.isclose(a, b, rel_tol=_FINGERPRINT_RTOL, abs_tol=1e-6) for a, b in zip(theirs_fp, ours_fp)
+    )
+    if not same:
         raise PromptCacheError(
-            f"{source}: made with different weights (norm-weight fingerprint {theirs_fp} in the file, {ours_fp} here)"
+            f"{source}: made with different weights or adapters (weight fingerprint {theirs_fp} in the file, "
+            f"{ours_fp} here)"
         )
 
 

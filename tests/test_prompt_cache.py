@@ -107,6 +107,18 @@ def test_refuses_other_weights(tmp_path):
         load_prompt_cache(file, model)
 
 
+def test_refuses_a_model_with_other_adapters(tmp_path):
+    """A cache made without adapters is refused by the same model with a LoRA adapter applied."""
+    from kimi_mlx.tuner.adapters import apply_adapters
+
+    model, _ = load("demo", dtype=mx.float32)
+    file = tmp_path / "d.safetensors"
+    save_prompt_cache(file, model, _prefill(model, [5, 6]), [5, 6])
+    apply_adapters(model, ["model.layers.3.self_attn.o_proj"], rank=4)
+    with pytest.raises(PromptCacheError, match="different weights or adapters"):
+        load_prompt_cache(file, model)
+
+
 def test_bf16_copy_of_the_same_weights_is_accepted(demo, tmp_path):
     """The same checkpoint loaded in bfloat16 accepts a cache saved by the float32 model (fingerprint tolerance)."""
     model, _ = demo

@@ -18,9 +18,11 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --quantize, --q-group-size."""
+    """--model, --adapter-path, --dtype, --quantize, --q-group-size."""
     p.add_argument("--model", required=True,
                    help="model directory, HF repo id, GGUF file, or 'demo' (built-in tiny model)")
+    p.add_argument("--adapter-path", default=None, metavar="DIR",
+                   help="LoRA/DoRA adapter directory (adapters.safetensors + adapter_config.json) to apply")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast float weights (default: as stored)")
     p.add_argument("--quantize", type=int, default=None, metavar="BITS",
                    help="quantize weights on load (affine; 2, 3, 4, 5, 6 or 8 bits)")
@@ -57,7 +59,8 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
 
 
 def load_from_args(args: argparse.Namespace, progress: bool = True):
-    """``(model, tokenizer)`` for the model flags; ``progress`` shows an elapsed-time indicator on stderr."""
+    """``(model, tokenizer)`` for the model flags; ``progress``: a GGUF shows ``load``'s progress bar, anything else
+    an elapsed-time indicator (on a terminal's stderr)."""
     from ..loading import load
 
     quantize = None if args.quantize is None else {"bits": args.quantize, "group_size": args.q_group_size}
@@ -72,11 +75,13 @@ def load_from_args(args: argparse.Namespace, progress: bool = True):
                   file=sys.stderr, flush=True)
             i += 1
 
-    spinner = threading.Thread(target=spin, daemon=True) if progress and sys.stderr.isatty() else None
+    gguf = str(args.model).endswith(".gguf")
+    spinner = threading.Thread(target=spin, daemon=True) if progress and not gguf and sys.stderr.isatty() else None
     if spinner:
         spinner.start()
     try:
-        return load(args.model, dtype=DTYPES.get(args.dtype), quantize=quantize)
+        return load(args.model, dtype=DTYPES.get(args.dtype), quantize=quantize, adapter_path=args.adapter_path,
+                    progress=progress and gguf)
     finally:
         done.set()
         if spinner:
