@@ -18,6 +18,13 @@ def test_bench_runs_every_path(tmp_path):
     for row in ("kimi-mlx kernels", "recurrent kernel", "pure MLX", "mlx-lm", "kimi-mlx kernel", "chunked kernels"):
         assert row in r.stdout, r.stdout
     assert len([ln for ln in r.stdout.splitlines() if ln.strip().startswith("70 |")]) == 3, r.stdout
+    # every timed row is followed by each path's max |output - pure MLX| (bf16 inputs): the paths compute the same op
+    parity = [ln.split(":", 1)[1] for ln in r.stdout.splitlines() if "max |output - " in ln]
+    assert len(parity) == 5, r.stdout
+    for ln in parity:
+        for item in ln.split(","):
+            name, value = item.rsplit(" ", 1)
+            assert float(value) < 0.05, f"{name.strip()} differs from the pure path by {value}"
 
 
 def test_bench_without_metal_says_so(tmp_path):
