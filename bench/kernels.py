@@ -11,8 +11,11 @@ every timed path):
 - ``recurrent kernel``: ``kda_recurrent_metal`` at every T (shows the crossover with the chunked path);
 - ``pure MLX``: ``kda_gated`` inside ``kimi_mlx.metal.disabled()``;
 - ``mlx-lm``: ``normalize_qk`` + ``gated_delta_update`` (vector gate, its Metal kernel).
+KDA chunked prefill (T > RECURRENT_MAX_T) on prepared inputs: ``kda_chunked_metal`` vs ``kda_chunked`` vs mlx-lm's
+``gated_delta_kernel``.
 AttnRes (K snapshots of [T, d], default K=8, d=4096): ``attn_res_mix`` with the kernel, without (pure MLX), and
-mlx-lm's ``kimi_k3._attn_res_mix`` (its own kernel). Times are medians over ``--reps`` runs after warm-up, in ms.
+mlx-lm's ``kimi_k3._attn_res_mix`` (its own kernel). Times are medians over ``--reps`` runs after warm-up, in ms;
+under each row, every path's max |output - pure MLX| (the paths compute the same op).
 Without Metal (and without ``--emulator``) it says so and exits 0.
 """
 
