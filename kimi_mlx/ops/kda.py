@@ -1,5 +1,9 @@
 """Kimi Delta Attention (KDA) scan in pure MLX (spec §1.3, §1.4), differentiable.
 
+The model calls ``kda_gated`` (raw projections in: it normalises q/k, computes beta and the decay gate, then scans);
+on a Metal GPU that is one launch of ``metal_kernels/kda_recurrent.metal`` for short inputs, elsewhere the pure-MLX
+functions below (``kda_forward`` picks recurrent or chunked).
+
 Conventions shared by every function here (``B`` batch, ``T`` tokens, ``H`` heads):
 
 - ``q``, ``k``: ``[B, T, H, Dk]``, already L2-normalised; ``q`` already carries the ``Dk**-0.5`` scale. Any float dtype.
