@@ -24,7 +24,10 @@ deltas, tool calls); stopping one early (Ctrl-C, ``close()``) keeps the partial 
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -82,6 +85,23 @@ class Turn:
     stats: TurnStats
     tokens: list[int]
     tool_calls: list = field(default_factory=list)
+
+
+@contextmanager
+def _interrupts_deferred():
+    """Hold back Ctrl-C (SIGINT) while the cache is being put back in order; re-raise it afterwards."""
+    old = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or old is None:
+        yield
+        return
+    hits = []
+    signal.signal(signal.SIGINT, lambda *_: hits.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if hits:
+        raise KeyboardInterrupt
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -292,15 +312,16 @@ class ChatSession:
             if capped and stats.finish_reason == "length":
                 stats.finish_reason = "context"
         finally:
-            if not stats.finish_reason:
-                stats.finish_reason = "interrupted"
-            if not reply:  # nothing generated (interrupted in the prefill): the turn did not happen
-                del self.messages[len(self.messages) - n_new :]
-                self._settle()
-            else:
-                self._settle(prompt + reply)
-                self.cache.checkpoint()
-                self._finish(parser, stats, last, reply)
+            with _interrupts_deferred():
+                if not stats.finish_reason:
+                    stats.finish_reason = "interrupted"
+                if not reply:  # nothing generated (interrupted in the prefill): the turn did not happen
+                    del self.messages[len(self.messages) - n_new :]
+                    self._settle()
+                else:
+                    self._settle(prompt + reply)
+                    self.cache.checkpoint()
+                    self._finish(parser, stats, last, reply)
         if stats.finish_reason == "context":
             raise ContextFullError(
                 f"context full: the reply stopped at the limit (max_kv_size {self.max_kv_size} tokens); "

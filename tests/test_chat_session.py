@@ -255,3 +255,18 @@ def test_tool_round(demo):
     assert [m["role"] for m in s.messages] == ["user", "assistant", "tool", "assistant"]
     assert s.messages[2]["tool_call_id"] == "functions.get_weather:0"
     _check_turn(s, prompt, reply)
+
+
+def test_changed_system_prompt(demo):
+    """Changing the system prompt mid-conversation: the next turn rolls the cache back (nothing after the change is
+    reusable) and its reply equals the fresh reference for the new rendering."""
+    model, tok = demo
+    s = ChatSession(model, tok, system="Be brief.", max_tokens=N)
+    _run(s.send("Hello"))
+    s.system = "Be verbose."
+    s.messages.append({"role": "user", "content": "Again"})
+    prompt, reply = _fresh_reply(s)
+    s.messages.pop()
+    _run(s.send("Again"))
+    _check_turn(s, prompt, reply)
+    assert s.last.stats.reused_tokens == 0  # no checkpoint lies before the system prompt
