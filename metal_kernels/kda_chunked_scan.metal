@@ -80,8 +80,8 @@ for (int n = 0; n < n_chunks; ++n) {
     if (t < T) {
       const bool live = mask[size_t(b) * T + t];
       auto o_ = o + ((size_t(b) * T + t) * H + h) * Dv + v0 + col;
-      o_[0] = live ? static_cast<OutT>(acc.thread_elements()[0]) : OutT(0);
-      o_[1] = live ? static_cast<OutT>(acc.thread_elements()[1]) : OutT(0);
+      o_[0] = static_cast<OutT>(live ? float(acc.thread_elements()[0]) : 0.0f);
+      o_[1] = static_cast<OutT>(live ? float(acc.thread_elements()[1]) : 0.0f);
     }
   }
 
