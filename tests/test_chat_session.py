@@ -9,6 +9,7 @@ import pytest
 from xtml_tokenizer import load_xtml_tokenizer
 
 from kimi_mlx import load
+from kimi_mlx.chat_format import render_chat
 from kimi_mlx.chat_session import ChatSession, ContextFullError
 from kimi_mlx.generate import stream_generate
 from kimi_mlx.prompt_cache import PromptCacheError, save_prompt_cache
@@ -270,3 +271,39 @@ def test_changed_system_prompt(demo):
     _run(s.send("Again"))
     _check_turn(s, prompt, reply)
     assert s.last.stats.reused_tokens == 0  # no checkpoint lies before the system prompt
+
+
+def _forced(script: list[int]):
+    """A logits processor making the model emit ``script`` (mlx-lm passes the tokens fed since the prompt's last)."""
+
+    def force(tokens, logits):
+        i = min(len(tokens) - 1, len(script) - 1)
+        return mx.where(mx.arange(logits.shape[-1]) == script[i], 0.0, -1e9)[None].astype(logits.dtype)
+
+    return force
+
+
+@pytest.mark.parametrize("fmt", ["kimi_linear", "kimi_k3"])
+def test_well_formed_reply_is_reused_as_generated(fmt, demo, k3_model, tmp_path):
+    """A well-formed reply (the exact tokens the renderer writes for it, forced through a logits processor) parses
+    back to the same reasoning/content, and the next turn reuses every cached token: the generated tokens are what
+    the renderer writes for the parsed message."""
+    if fmt == "kimi_k3":
+        model, tok = k3_model, load_xtml_tokenizer(tmp_path)
+        answer = {"role": "assistant", "reasoning_content": "Two and two.", "content": "It is 4."}
+    else:
+        (model, tok), answer = demo, {"role": "assistant", "content": "It is 4."}
+    user = {"role": "user", "content": "What is 2+2?"}
+    prompt = render_chat(tok, [user], chat_format=fmt)
+    script = render_chat(tok, [user, answer], add_generation_prompt=False, chat_format=fmt)
+    assert script[: len(prompt)] == prompt
+    script = script[len(prompt) :]
+    s = ChatSession(model, tok, max_tokens=len(script) + 5, sampling={"logits_processors": [_forced(script)]})
+    events = _run(s.send("What is 2+2?"))
+    assert s.last.tokens == script and s.last.stats.finish_reason == "stop"
+    assert s.messages[-1] == answer
+    assert "".join(e.text for e in events if e.kind == "content") == "It is 4."
+    cached = len(s.tokens)
+    s.sampling = {}
+    _run(s.send("Thanks"))
+    assert s.last.stats.reused_tokens == cached
