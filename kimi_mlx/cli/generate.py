@@ -79,14 +79,18 @@ def load_from_args(args: argparse.Namespace, progress: bool = True):
     spinner = threading.Thread(target=spin, daemon=True) if progress and not gguf and sys.stderr.isatty() else None
     if spinner:
         spinner.start()
+    loaded = False
     try:
-        return load(args.model, dtype=DTYPES.get(args.dtype), quantize=quantize, adapter_path=args.adapter_path,
-                    progress=progress and gguf)
+        out = load(args.model, dtype=DTYPES.get(args.dtype), quantize=quantize, adapter_path=args.adapter_path,
+                   progress=progress and gguf)
+        loaded = True
+        return out
     finally:
         done.set()
         if spinner:
             spinner.join()
-            print(f"\rloaded {args.model} in {time.perf_counter() - tic:.1f}s" + " " * 8, file=sys.stderr)
+            status = f"loaded {args.model} in {time.perf_counter() - tic:.1f}s" if loaded else ""
+            print(f"\r{status}" + " " * 40, end="\n" if loaded else "\r", file=sys.stderr)
 
 
 def add_parser(commands) -> None:
