@@ -87,6 +87,28 @@ def test_no_races_or_uninitialised_reads(lower_bound, strict_kernels):
     assert_matches(s, ref_s)
 
 
+def test_gradients_through_the_chunked_kernel_path(kernels):
+    """Past RECURRENT_KERNEL_MAX_T, kda_gated goes through kda_forward's chunked kernel; mx.grad through it gives the
+    pure path's gradients too."""
+    T = RECURRENT_KERNEL_MAX_T + 6
+    args, kw = make_inputs(1, T, 1, 32, 32, mx.float32, None, False)
+    state = kw.pop("state")
+    wo = mx.array(np.random.default_rng(2).standard_normal((1, T, 1, 32)), mx.float32)
+
+    def loss(q, v, f, st):
+        o, s = kda_gated(q, args[1], v, f, *args[4:7], state=st, **kw)
+        return (o * wo).sum() + s.sum()
+
+    with metal.disabled():
+        ref = mx.grad(loss, argnums=(0, 1, 2, 3))(args[0], args[2], args[3], state)
+    with kernels.active():
+        got = mx.grad(loss, argnums=(0, 1, 2, 3))(args[0], args[2], args[3], state)
+        mx.eval(got)
+        assert kernels.launched and RECURRENT not in kernels.launched, kernels.launched
+    for name, g, r in zip(("q", "v", "f", "state"), got, ref):
+        assert_matches(g, r, f"d loss / d {name}")
+
+
 def test_thread_sanitizer_clean():
     """Under ThreadSanitizer (emulator lanes as TSan fibers; on a GPU a plain run) no data race is reported: only
     lane 0 of a SIMD-group writes an output element."""

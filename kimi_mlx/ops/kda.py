@@ -376,7 +376,14 @@ def kda_forward(
     if metal.enabled() and q.shape[-1] % 32 == 0 and v.shape[-1] % 32 == 0:
         from .kda_chunked_metal import kda_chunked_metal  # imports this module, so bound at call time
 
-        return kda_chunked_metal(q, k, v, g, beta, state=state, mask=mask, chunk_size=chunk_size)
+        if state is None:
+            state = mx.zeros((q.shape[0], q.shape[2], v.shape[-1], q.shape[-1]), dtype=mx.float32)
+        # Gradients (training) come from the pure chunked path: custom kernels have no VJP.
+        op = metal.with_reference_vjp(
+            lambda *a: kda_chunked_metal(*a, mask=mask, chunk_size=chunk_size),
+            lambda *a: kda_chunked(*a, mask=mask, chunk_size=chunk_size),
+        )
+        return op(q, k, v, g, beta, state)
     return kda_chunked(q, k, v, g, beta, state=state, mask=mask, chunk_size=chunk_size)
 
 
