@@ -117,6 +117,17 @@ def test_masked_steps_anywhere(strict_kernels):
     assert (np.array(got[0])[~mask] == 0).all()
 
 
+def test_strided_inputs(strict_kernels):
+    """q/k/v as slices of one fused [.., 3 * 64] projection and g, beta as transposed views (not row-contiguous):
+    same result as the pure paths."""
+    q, k, v, g, beta, state, mask = inputs(11, 2, 21, 2, 64, 64, pad=(0, 5))
+    qkv = mx.concatenate([q, k, v], axis=-1)
+    g_t, beta_t = mx.contiguous(g.transpose(0, 2, 1, 3)), mx.contiguous(beta.transpose(0, 2, 1))
+    args = (qkv[..., :64], qkv[..., 64:128], qkv[..., 128:], g_t.transpose(0, 2, 1, 3), beta_t.transpose(0, 2, 1))
+    got, chunked, recurrent = run_both(strict_kernels, (*args, state, mask), 8, 3)
+    check(strict_kernels, got, chunked, recurrent)
+
+
 def test_thread_sanitizer_finds_no_race():
     """Both kernels under the emulator's ThreadSanitizer build (lanes as TSan fibers; barriers and SIMD collectives
     the only happens-before edges), on a tiny ragged batch with partial threadgroups: no report, same results."""

@@ -65,8 +65,8 @@ def kda_chunked_metal(
     chunk_size: int = _kda.DEFAULT_CHUNK_SIZE,
     simdgroups: int = 4,
 ) -> tuple[mx.array, mx.array]:
-    """Chunked KDA with the inter-chunk recurrence in a Metal kernel; falls back to ``kda_chunked`` when kernels are
-    not enabled (``kimi_mlx.metal.enabled()``).
+    """Chunked KDA on two Metal kernels per group of chunks (intra-chunk prep, inter-chunk scan); falls back to
+    ``kda_chunked`` when kernels are not enabled (``kimi_mlx.metal.enabled()``).
 
     Args:
         q, k, g, v, beta, state, mask: as ``kda_chunked`` (Dk and Dv multiples of 32).
@@ -87,7 +87,10 @@ def kda_chunked_metal(
     Dv = v.shape[-1]
     if T == 0:
         return mx.zeros((B, 0, H, Dv), dtype=v.dtype), state
-    g, beta = g.astype(mx.float32), beta.astype(mx.float32)
+    # Row-contiguous once here; a strided view (e.g. a slice of a fused qkv projection) would otherwise be copied by
+    # every prep launch.
+    q, k, v = (mx.contiguous(x) for x in (q, k, v))
+    g, beta = (mx.contiguous(x.astype(mx.float32)) for x in (g, beta))
     if mask is None:
         mask = mx.ones((B, T), dtype=mx.bool_)
     # Tokens per pair of launches (a multiple of C): bounds the intra-chunk buffers like the pure path does.
