@@ -42,6 +42,7 @@ from .prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
 SESSION_KEY = "chat_session"  # prompt-cache file metadata key holding the session as JSON
 STOP_MARKERS = {"kimi_linear": "<|im_end|>", "kimi_k3": "<|end_of_msg|>"}
 THINKING_EFFORTS = ("low", "high", "max")
+SAMPLING_KEYS = ("temp", "top_p", "top_k", "min_p", "repetition_penalty", "sampler", "logits_processors")
 
 
 class ContextFullError(RuntimeError):
@@ -148,6 +149,9 @@ class ChatSession:
         if max_kv_size is not None and max_kv_size < 2:
             raise ValueError(f"max_kv_size must be >= 2, got {max_kv_size}")
         self.max_tokens, self.max_kv_size = max_tokens, max_kv_size
+        unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(f"sampling: unknown option(s) {', '.join(unknown)}; expected {', '.join(SAMPLING_KEYS)}")
         self.sampling = dict(sampling or {})
         self.prefill_step_size = prefill_step_size
         self.messages: list[dict] = []

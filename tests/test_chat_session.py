@@ -307,3 +307,27 @@ def test_well_formed_reply_is_reused_as_generated(fmt, demo, k3_model, tmp_path)
     s.sampling = {}
     _run(s.send("Thanks"))
     assert s.last.stats.reused_tokens == cached
+
+
+def test_bad_settings_and_session_files(demo, tmp_path):
+    """Unknown sampling options, the K3 format forced on a tokenizer without its markers (the message is not kept),
+    a session file of another chat format, and a malformed saved session are refused with messages naming the
+    problem."""
+    model, tok = demo
+    with pytest.raises(ValueError, match="unknown option\\(s\\) temperature"):
+        ChatSession(model, tok, sampling={"temperature": 0.5})
+    with pytest.raises(ValueError, match="max_kv_size must be >= 2"):
+        ChatSession(model, tok, max_kv_size=1)
+    s = ChatSession(model, tok, max_tokens=4, chat_format="kimi_k3")
+    with pytest.raises(ValueError, match="needs the special token"):
+        s.send("Hi")
+    assert s.messages == [] and s.tokens == []
+    plain = ChatSession(model, tok, max_tokens=4)
+    _run(plain.send("Hi"))
+    plain.chat_format = "kimi_k3"
+    plain.save(tmp_path / "k3.safetensors")
+    with pytest.raises(PromptCacheError, match="saved with chat format 'kimi_k3', this session uses 'kimi_linear'"):
+        ChatSession(model, tok).load(tmp_path / "k3.safetensors")
+    save_prompt_cache(tmp_path / "bad.safetensors", model, model.make_cache(), [], {"chat_session": "{not json"})
+    with pytest.raises(PromptCacheError, match="saved chat session is malformed"):
+        ChatSession(model, tok).load(tmp_path / "bad.safetensors")
