@@ -237,11 +237,8 @@ class ChatSession:
             mx.eval([c.state for c in self.cache])
             self.tokens.extend(chunk)
 
-    def _rewind(self, target: Sequence[int]) -> int:
-        """Roll the cache back to the longest state that is a prefix of ``target[:-1]``; returns its length."""
-        limit = min(_common_prefix(self.tokens, target), len(target) - 1)
-        if len(self.tokens) <= limit:
-            return len(self.tokens)
+    def _roll_back(self, limit: int) -> None:
+        """Restore the latest kept checkpoint at or before ``limit`` tokens (or empty the cache when none fits)."""
         fits = [cp for cp in self.cache.checkpoints if cp.offset <= limit]
         if fits:
             cp = max(fits, key=lambda c: c.offset)
@@ -250,26 +247,27 @@ class ChatSession:
         else:
             self.cache.reset()
             self.tokens = []
+
+    def _rewind(self, target: Sequence[int], keep: int = 1) -> int:
+        """Roll the cache back to the longest state that is a prefix of ``target`` with at least ``keep`` tokens of
+        it left to feed; returns the number of tokens reused."""
+        limit = min(_common_prefix(self.tokens, target), len(target) - keep)
+        if len(self.tokens) > limit:
+            self._roll_back(limit)
         return len(self.tokens)
 
     def _settle(self, target: Optional[Sequence[int]] = None) -> None:
         """After a turn (maybe interrupted mid-step): make the cache consistent with ``self.tokens`` again, rolling
         back to a checkpoint (or empty) when a model call was cut short; then, given ``target`` (a continuation of
         the tokens seen), make the cache hold exactly ``target``."""
-        if target is not None and {c.offset for c in self.cache} == {len(target)}:
+        offsets = {c.offset for c in self.cache}
+        if target is not None and offsets == {len(target)}:
             self.tokens = list(target)  # the generator fed every yielded token: nothing to redo
             return
-        if {c.offset for c in self.cache} != {len(self.tokens)}:
-            fits = [cp for cp in self.cache.checkpoints if cp.offset <= len(self.tokens)]
-            if fits:
-                cp = max(fits, key=lambda c: c.offset)
-                self.cache.restore(cp)
-                del self.tokens[cp.offset :]
-            else:
-                self.cache.reset()
-                self.tokens = []
+        if offsets != {len(self.tokens)}:
+            self._roll_back(len(self.tokens))
         if target is not None:
-            self._rewind(list(target) + [0])
+            self._rewind(target, keep=0)
             self._prefill(target[len(self.tokens) :])
 
     def _turn(self, new_messages: list[dict], max_tokens: Optional[int]) -> Iterator[ChatEvent]:
