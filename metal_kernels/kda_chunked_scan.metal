@@ -8,7 +8,9 @@
 // Columns of S are independent: one SIMD-group per (b, h, 8-column tile of Dv) keeps its S[Dk, 8] in registers as
 // Dk/8 float 8x8 simdgroup matrices and does every product above as 8x8x8 multiply-accumulates (float32). Lane
 // layout of an 8x8 matrix (MLX steel's BaseMMAFrag::get_coord): lane l holds row (l/4 & 4) + (l/2) % 4, columns
-// (l/4 & 2) * 2 + (l % 2) * 2 and +1, as thread_elements()[0] and [1]. No threadgroup memory, no barriers.
+// (l/4 & 2) * 2 + (l % 2) * 2 and +1, as thread_elements()[0] and [1]. Transposed blocks (the state, Kg^T) are read
+// and written lane by lane through that layout; other tiles use plain row-major simdgroup_load from an offset pointer
+// (no matrix_origin / transpose_matrix). No threadgroup memory, no barriers.
 // Pointers into buffers are `auto`, so they keep each buffer's address space (mask may be `constant`: < 8 elements).
 //
 // Grid (32, Dv / 8, B * H); threadgroup (32, SG, 1) for any SG (SIMD-groups of independent tiles; edge groups partial).
@@ -40,11 +42,13 @@ const int n_chunks = (T + C - 1) / C;
 const int row = ((lane / 4) & 4) + (lane / 2) % 4;
 const int col = ((lane / 4) & 2) * 2 + (lane % 2) * 2;
 
-// S[kb] = S[kb*8 .. +8, v0 .. +8] = state_in[v0 .. +8, kb*8 .. +8]^T.
-auto st_in = state_in + size_t(bh) * Dv * Dk;
+// S[kb] = S[kb*8 .. +8, v0 .. +8] = state_in[v0 .. +8, kb*8 .. +8]^T: this lane's (row, col + e) is
+// state_in[v0 + col + e, kb*8 + row].
+auto st_in = state_in + (size_t(bh) * Dv + v0 + col) * Dk + row;
 simdgroup_float8x8 s[KB];
 for (int kb = 0; kb < KB; ++kb) {
-  simdgroup_load(s[kb], st_in, Dk, ulong2(kb * 8, v0), true);
+  s[kb].thread_elements()[0] = st_in[kb * 8];
+  s[kb].thread_elements()[1] = st_in[Dk + kb * 8];
 }
 
 simdgroup_float8x8 vnew[RB];
@@ -61,19 +65,19 @@ for (int n = 0; n < n_chunks; ++n) {
   for (int rb = 0; rb < RB; ++rb) {
     acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     for (int kb = 0; kb < KB; ++kb) {
-      simdgroup_load(a, wq_, Dk, ulong2(kb * 8, rb * 8));
+      simdgroup_load(a, wq_ + rb * 8 * Dk + kb * 8, Dk);
       simdgroup_multiply_accumulate(acc, a, s[kb], acc);
     }
-    simdgroup_load(vnew[rb], uo_, Dv, ulong2(v0, rb * 8));
+    simdgroup_load(vnew[rb], uo_ + rb * 8 * Dv + v0, Dv);
     vnew[rb].thread_elements()[0] -= acc.thread_elements()[0];
     vnew[rb].thread_elements()[1] -= acc.thread_elements()[1];
   }
 
   // O = Aqk U + (Q exp(G) - Aqk W) S (row blocks RB .. 2RB-1), written for real rows only.
   for (int rb = 0; rb < RB; ++rb) {
-    simdgroup_load(acc, uo_, Dv, ulong2(v0, C + rb * 8));
+    simdgroup_load(acc, uo_ + (C + rb * 8) * Dv + v0, Dv);
     for (int kb = 0; kb < KB; ++kb) {
-      simdgroup_load(a, wq_, Dk, ulong2(kb * 8, C + rb * 8));
+      simdgroup_load(a, wq_ + (C + rb * 8) * Dk + kb * 8, Dk);
       simdgroup_multiply_accumulate(acc, a, s[kb], acc);
     }
     const int t = n * C + rb * 8 + row;
@@ -85,19 +89,21 @@ for (int n = 0; n < n_chunks; ++n) {
     }
   }
 
-  // S <- diag(exp(G_C)) S + Kg^T Vnew (Kg^T blocks are transposed loads of Kg).
+  // S <- diag(exp(G_C)) S + Kg^T Vnew (each lane loads its two elements of a Kg^T block itself).
   for (int kb = 0; kb < KB; ++kb) {
     const float d = decay_[kb * 8 + row];
     s[kb].thread_elements()[0] *= d;
     s[kb].thread_elements()[1] *= d;
     for (int rb = 0; rb < RB; ++rb) {
-      simdgroup_load(a, kg_, Dk, ulong2(kb * 8, rb * 8), true);
+      a.thread_elements()[0] = kg_[(rb * 8 + col) * Dk + kb * 8 + row];
+      a.thread_elements()[1] = kg_[(rb * 8 + col + 1) * Dk + kb * 8 + row];
       simdgroup_multiply_accumulate(s[kb], a, vnew[rb], s[kb]);
     }
   }
 }
 
-auto st_out = state_out + size_t(bh) * Dv * Dk;
+auto st_out = state_out + (size_t(bh) * Dv + v0 + col) * Dk + row;
 for (int kb = 0; kb < KB; ++kb) {
-  simdgroup_store(s[kb], st_out, Dk, ulong2(kb * 8, v0), true);
+  st_out[kb * 8] = s[kb].thread_elements()[0];
+  st_out[Dk + kb * 8] = s[kb].thread_elements()[1];
 }
