@@ -158,6 +158,34 @@ def test_all_masked_and_empty(strict_kernels):
     strict_kernels.assert_clean()
 
 
+def test_gradients_are_the_pure_paths(kernels, monkeypatch):
+    """mx.value_and_grad through the kernels (two launches per group: GROUP_ELEMS = 1) gives the pure path's loss and
+    gradients for q, k, v, g, beta and the initial state (the op's VJP is the pure path's)."""
+    monkeypatch.setattr(kda_mod, "GROUP_ELEMS", 1)
+    args = inputs(12, 2, 19, 2, 64, 64, pad=(0, 6))
+    mask = args[-1]
+    W = mx.array(np.random.default_rng(12).standard_normal(64).astype(np.float32))
+
+    def loss(fn):
+        def f(*a):
+            o, S = fn(*a, mask=mask, chunk_size=8)
+            return (o * W).sum() + (S * S).sum()
+
+        return f
+
+    argnums = tuple(range(6))
+    with kernels.active():
+        val, grads = mx.value_and_grad(loss(kda_chunked_metal), argnums=argnums)(*args[:-1])
+        mx.eval(val, grads)
+    with metal.disabled():
+        ref_val, ref_grads = mx.value_and_grad(loss(kda_chunked), argnums=argnums)(*args[:-1])
+    assert scan_launches(kernels) == 3
+    assert abs(val.item() - ref_val.item()) <= 1e-5 * abs(ref_val.item())
+    for name, got, ref in zip("q k v g beta state".split(), grads, ref_grads):
+        assert_matches(got, ref, f"d loss / d {name}")
+    kernels.assert_clean()
+
+
 def test_disabled_falls_back_to_pure_path():
     """Without enabled kernels (CPU default device here, or metal.disabled()) the op is the pure chunked path."""
     args = inputs(6, 1, 12, 2, 32, 32)

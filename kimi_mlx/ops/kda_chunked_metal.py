@@ -16,8 +16,9 @@ Split of the work, per group of chunks (about ``kda.GROUP_ELEMS`` elements per i
   that read it) on 8x8 SIMD-group matrices, writing ``o`` straight into ``[B, T, H, Dv]`` in v's dtype (zeros at
   masked tokens) and the final state.
 
-So a prompt costs two launches per group instead of one MLX step per chunk. No VJP (custom kernels have none):
-training uses the pure path (``kimi_mlx.metal.disabled()``).
+So a prompt costs two launches per group instead of one MLX step per chunk. Custom kernels have no VJP: the op is an
+``mx.custom_function`` whose VJP is the pure path's at the same inputs, so gradients through it are correct (the
+backward recomputes the pure forward); for training, ``kimi_mlx.metal.disabled()`` avoids that recomputation.
 """
 
 from __future__ import annotations
@@ -83,10 +84,28 @@ def kda_chunked_metal(
         return _kda.kda_chunked(q, k, v, g, beta, state=state, mask=mask, chunk_size=C)
     # Validation, zero default state, bool mask (the float32 copies of q/k/v it also returns are never evaluated).
     state, mask = _kda._prepare(q, k, v, g, beta, state, mask)[5:]
+    B, T, H, _ = q.shape
+    if T == 0:
+        return mx.zeros((B, 0, H, v.shape[-1]), dtype=v.dtype), state
+
+    def launch(q, k, v, g, beta, state):
+        return _launch(prep, scan, q, k, v, g, beta, state, mask, C, simdgroups)
+
+    def pure(q, k, v, g, beta, state):
+        return _kda.kda_chunked(q, k, v, g, beta, state=state, mask=mask, chunk_size=C)
+
+    # Kernels have no VJP of their own: the gradient is the pure path's, taken at the same inputs (its forward is
+    # recomputed in the backward pass), so training through this op is correct, just not accelerated.
+    op = mx.custom_function(launch)
+    op.vjp(lambda primals, cotangents, outputs: mx.vjp(pure, list(primals), list(cotangents))[1])
+    return op(q, k, v, g, beta, state)
+
+
+def _launch(prep, scan, q, k, v, g, beta, state, mask, C: int, simdgroups: int) -> tuple[mx.array, mx.array]:
+    """Prep + scan launches per group of chunks. Arguments validated by ``kda_chunked_metal``; state float32, mask
+    ``[B, T]`` bool or None, T > 0."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
-    if T == 0:
-        return mx.zeros((B, 0, H, Dv), dtype=v.dtype), state
     # Row-contiguous once here; a strided view (e.g. a slice of a fused qkv projection) would otherwise be copied by
     # every prep launch.
     q, k, v = (mx.contiguous(x) for x in (q, k, v))
