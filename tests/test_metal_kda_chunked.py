@@ -231,16 +231,17 @@ def test_kda_forward_dispatches_to_kernel(strict_kernels):
     strict_kernels.assert_clean()
 
 
-def test_model_prefill_with_kernel_matches_pure(kernels, kl_model, kl_manifest):
-    """A tiny Kimi Linear forward over 70 tokens (past the recurrent kernel's range, so every KDA layer prefills
-    through this kernel) gives the pure-MLX logits to 1e-4."""
-    tokens = mx.array((list(kl_manifest["token_ids"]) * 3)[:70])[None]
+def test_model_prefill_with_kernel_matches_pure(kernels, arch):
+    """A tiny Kimi Linear and a tiny Kimi-K3 forward over 70 tokens (past the recurrent kernel's range, so every KDA
+    layer prefills through these kernels; K3 with its lower-bound gate) give the pure-MLX logits to 1e-4."""
+    _, _, manifest, model = arch
+    tokens = mx.array((list(manifest["token_ids"]) * 3)[:70])[None]
     with kernels.active():
-        got = kl_model(tokens)
+        got = model(tokens)
         mx.eval(got)
     with metal.disabled():
-        ref = kl_model(tokens)
-    assert scan_launches(kernels) == len(kl_model.args.kda_layers) > 0
+        ref = model(tokens)
+    assert scan_launches(kernels) == len(model.args.kda_layers) > 0
     err = float(mx.abs(got - ref).max() / mx.abs(ref).max())
     assert err <= 1e-4, err
     kernels.assert_clean()
