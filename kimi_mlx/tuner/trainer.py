@@ -77,6 +77,25 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
 
+def make_step(model: nn.Module, optimizer, loss: Callable = default_loss, grad_accumulation_steps: int = 1):
+    """``step(batch, lengths, grad, do_update) -> (loss, n_tokens, grad)``: one forward/backward of ``loss``,
+    gradients summed into ``grad`` (None at the start of an accumulation window) and, when ``do_update``, averaged
+    over the window and applied by ``optimizer`` (then ``grad`` is None again). Nothing is evaluated here."""
+    loss_value_and_grad = nn.value_and_grad(model, loss)
+
+    def step(batch, lengths, grad, do_update: bool):
+        (lvalue, toks), g = loss_value_and_grad(model, batch, lengths)
+        grad = g if grad is None else tree_map(lambda a, b: a + b, grad, g)
+        if do_update:
+            if grad_accumulation_steps > 1:
+                grad = tree_map(lambda a: a / grad_accumulation_steps, grad)
+            optimizer.update(model, grad)
+            grad = None
+        return lvalue, toks, grad
+
+    return step
+
+
 def _progress(total: int, enabled: bool):
     from tqdm import tqdm
 
@@ -105,8 +124,8 @@ def train(
         raise ValueError("grad_accumulation_steps must be at least 1")
     adapter_dir = Path(adapter_dir)
     metrics = MetricsLog(adapter_dir / METRICS_FILE)
-    loss_value_and_grad = nn.value_and_grad(model, loss)
     accum = args.grad_accumulation_steps
+    step = make_step(model, optimizer, loss, accum)
     batches = iterate_batches(train_set, args.batch_size, args.max_seq_length, loop=True, seed=seed)
 
     def validate(it: int) -> None:
@@ -137,13 +156,7 @@ def train(
                     validate(it)
                 batch = next(batches)
                 tic = time.perf_counter()
-                (lvalue, toks), g = loss_value_and_grad(model, *batch)
-                grad = g if grad is None else tree_map(lambda a, b: a + b, grad, g)
-                if it % accum == 0 or it == args.iters:
-                    if accum > 1:
-                        grad = tree_map(lambda a: a / accum, grad)
-                    optimizer.update(model, grad)
-                    grad = None
+                lvalue, toks, grad = step(*batch, grad, it % accum == 0 or it == args.iters)
                 mx.eval(model.trainable_parameters(), optimizer.state, lvalue, toks, grad)
                 dt = time.perf_counter() - tic
                 train_time += dt
