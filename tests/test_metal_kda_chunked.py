@@ -1,9 +1,10 @@
-"""The KDA chunked-prefill Metal kernel (``metal_kernels/kda_chunked_scan.metal`` via
+"""The KDA chunked-prefill Metal kernels (``metal_kernels/kda_chunked_prep.metal`` + ``kda_chunked_scan.metal`` via
 ``kimi_mlx.ops.kda_chunked_metal``) against the pure-MLX chunked and recurrent paths.
 
-Runs the kernel on a Metal GPU when there is one, else in the CPU emulator (``tests/metal_support.py``). Every
-launch here uses the strict emulator checks (forward / reverse / random schedules, uninitialised threadgroup memory
-and locals) and must report no diagnostic. Shapes are tiny: each (dtype, chunk, Dk, Dv, H) is one emulator compile.
+Runs the kernels on a Metal GPU when there is one, else in the CPU emulator (``tests/metal_support.py``). The op-level
+tests use the strict emulator checks (forward / reverse / random schedules, uninitialised threadgroup memory and
+locals), one test the ThreadSanitizer build, the gradient and model tests the default checks; no launch may report a
+diagnostic. Shapes are tiny: each (dtypes, chunk, Dk, Dv, H) is one emulator compile per kernel.
 """
 
 from __future__ import annotations
