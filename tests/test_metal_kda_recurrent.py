@@ -12,14 +12,15 @@ from kimi_mlx.ops.kda import RECURRENT_KERNEL_MAX_T, kda_gated, kda_recurrent_me
 RECURRENT = "kimi_kda_recurrent"
 
 
-def make_inputs(B, T, H, Dk, Dv, dtype, lower_bound, ragged, seed=0):
-    """Raw (unnormalised) q/k/v/f/b in ``dtype``, gate parameters, a float32 state and an optional left-pad mask
-    (row 0 starts with two padding steps)."""
+def make_inputs(B, T, H, Dk, Dv, dtype, lower_bound, ragged, seed=0, gate_dtype=None):
+    """Raw (unnormalised) q/k/v in ``dtype``, f/b in ``gate_dtype`` (default ``dtype``), gate parameters, a float32
+    state and an optional left-pad mask (row 0 starts with two padding steps)."""
+    gate_dtype = gate_dtype or dtype
     mx.random.seed(seed)
     q, k = (mx.random.normal((B, T, H, Dk)).astype(dtype) for _ in range(2))
     v = mx.random.normal((B, T, H, Dv)).astype(dtype)
-    f = (2 * mx.random.normal((B, T, H, Dk))).astype(dtype)
-    b = mx.random.normal((B, T, H)).astype(dtype)
+    f = (2 * mx.random.normal((B, T, H, Dk))).astype(gate_dtype)
+    b = mx.random.normal((B, T, H)).astype(gate_dtype)
     A_log = mx.log(mx.random.uniform(0.5, 8.0, (H,)))
     dt_bias = mx.random.normal((H * Dk,))
     state = 0.1 * mx.random.normal((B, H, Dv, Dk))
@@ -32,21 +33,23 @@ def make_inputs(B, T, H, Dk, Dv, dtype, lower_bound, ragged, seed=0):
 
 
 CASES = {
-    # name: (B, T, H, Dk, Dv, dtype, lower_bound, ragged, rows_per_group)
-    "f32-dk64-ragged-softplus": (2, 5, 2, 64, 64, mx.float32, None, True, 4),
-    "f32-dk128-T1-lowerbound-partial-tg": (1, 1, 3, 128, 64, mx.float32, -5.0, False, 3),
-    "bf16-dk64-dv128-ragged-lowerbound": (2, 3, 2, 64, 128, mx.bfloat16, -5.0, True, 4),
-    "f16-dk128-softplus-partial-tg": (1, 4, 2, 128, 96, mx.float16, None, False, 5),
+    # name: (B, T, H, Dk, Dv, dtype, lower_bound, ragged, rows_per_group, gate dtype)
+    "f32-dk64-ragged-softplus": (2, 5, 2, 64, 64, mx.float32, None, True, 4, None),
+    "f32-dk128-T1-lowerbound-partial-tg": (1, 1, 3, 128, 64, mx.float32, -5.0, False, 3, None),
+    "bf16-dk64-dv128-ragged-lowerbound": (2, 3, 2, 64, 128, mx.bfloat16, -5.0, True, 4, None),
+    "f16-dk128-softplus-partial-tg": (1, 4, 2, 128, 96, mx.float16, None, False, 5, None),
+    "bf16-qkv-f32-gates": (1, 2, 2, 64, 64, mx.bfloat16, None, False, 4, mx.float32),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_matches_pure_path(case, kernels):
     """Output (in v's dtype) and final state: float32 within 1e-5 relative, float16/bfloat16 within 2 ulp; masked
-    steps write exact zeros. Covers T = 1, ragged B = 2, Dk = 64 and 128, both decay-gate forms, Dv != Dk and
-    threadgroups (rows_per_group 3, 5) that do not divide the Dv rows of the grid."""
-    B, T, H, Dk, Dv, dtype, lb, ragged, rows = CASES[case]
-    args, kw = make_inputs(B, T, H, Dk, Dv, dtype, lb, ragged)
+    steps write exact zeros. Covers T = 1, ragged B = 2, Dk = 64 and 128, both decay-gate forms, Dv != Dk, gates in
+    another dtype than q/k/v, inputs small enough to be bound as ``constant`` (mask, A_log) and threadgroups
+    (rows_per_group 3, 5) that do not divide the Dv rows of the grid."""
+    B, T, H, Dk, Dv, dtype, lb, ragged, rows, gate_dtype = CASES[case]
+    args, kw = make_inputs(B, T, H, Dk, Dv, dtype, lb, ragged, gate_dtype=gate_dtype)
     with metal.disabled():
         ref_o, ref_s = kda_gated(*args, **kw)
     with kernels.active():
