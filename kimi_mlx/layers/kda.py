@@ -94,9 +94,21 @@ class KimiDeltaAttention(nn.Module):
         # One decode step without padding runs as a single compiled graph (fewer, fused kernels).
         core = _kda_core_compiled if T == 1 and mask is None else _kda_core
         o, conv_state, state = core(
-            qkv, conv_state, state, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x),
-            self._gate(x), self.qkv_conv.weight, self.A_log, self.dt_bias, self.o_norm.weight,
-            mask, self.num_heads, self.l2_eps, self.o_norm.eps, self.lower_bound,
+            qkv,
+            conv_state,
+            state,
+            self.f_b_proj(self.f_a_proj(x)),
+            self.b_proj(x),
+            self._gate(x),
+            self.qkv_conv.weight,
+            self.A_log,
+            self.dt_bias,
+            self.o_norm.weight,
+            mask,
+            self.num_heads,
+            self.l2_eps,
+            self.o_norm.eps,
+            self.lower_bound,
         )
         if cache is not None:
             cache.conv_state, cache.recurrent_state = conv_state, state
@@ -105,7 +117,20 @@ class KimiDeltaAttention(nn.Module):
 
 
 def _kda_core(
-    qkv, conv_state, state, f, b, gate, conv_weight, A_log, dt_bias, norm_weight, mask, H, l2_eps, norm_eps,
+    qkv,
+    conv_state,
+    state,
+    f,
+    b,
+    gate,
+    conv_weight,
+    A_log,
+    dt_bias,
+    norm_weight,
+    mask,
+    H,
+    l2_eps,
+    norm_eps,
     lower_bound,
 ):
     """Everything between the input projections and o_proj.
@@ -119,7 +144,16 @@ def _kda_core(
     q, k, v = (t.reshape(B, T, H, -1) for t in mx.split(qkv, 3, axis=-1))
     D = q.shape[-1]
     o, state = kda_gated(
-        q, k, v, f.reshape(B, T, H, D), b, A_log, dt_bias, lower_bound=lower_bound, l2_eps=l2_eps, state=state,
+        q,
+        k,
+        v,
+        f.reshape(B, T, H, D),
+        b,
+        A_log,
+        dt_bias,
+        lower_bound=lower_bound,
+        l2_eps=l2_eps,
+        state=state,
         mask=mask,
     )
     gate = mx.sigmoid(gate.astype(mx.float32)).reshape(B, T, H, D)

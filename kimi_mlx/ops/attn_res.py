@@ -88,8 +88,15 @@ def _mix_pure(blocks: Blocks, block_inv_rms: Blocks, partial: mx.array, w_eff: m
 
 
 def attn_res_mix_metal(
-    blocks: Blocks, block_inv_rms: Blocks, partial: mx.array, w_eff: mx.array, eps: float, *,
-    kernel=None, threads: int | None = None, rows_per_group: int = 1,
+    blocks: Blocks,
+    block_inv_rms: Blocks,
+    partial: mx.array,
+    w_eff: mx.array,
+    eps: float,
+    *,
+    kernel=None,
+    threads: int | None = None,
+    rows_per_group: int = 1,
 ) -> mx.array:
     """One launch of ``metal_kernels/attn_res_mix.metal``; same arguments and result as ``attn_res_mix``.
 
@@ -129,7 +136,11 @@ def attn_res_mix_metal(
 
 
 def attn_res_mix_scored(
-    blocks: Blocks, block_inv_rms: Blocks, partial: mx.array, score: Callable[[mx.array], mx.array], eps: float,
+    blocks: Blocks,
+    block_inv_rms: Blocks,
+    partial: mx.array,
+    score: Callable[[mx.array], mx.array],
+    eps: float,
 ) -> mx.array:
     """Same mix with the score computed by a callable on the RMS-normalised values ``[B, T, d] -> [B, T, 1]``
     (for a projection that must be called rather than read, e.g. a LoRA-wrapped one). Always pure MLX."""
