@@ -376,14 +376,9 @@ def kda_forward(
     if metal.enabled() and q.shape[-1] % 32 == 0 and v.shape[-1] % 32 == 0:
         from .kda_chunked_metal import kda_chunked_metal  # imports this module, so bound at call time
 
-        if state is None:
-            state = mx.zeros((q.shape[0], q.shape[2], v.shape[-1], q.shape[-1]), dtype=mx.float32)
-        # Gradients (training) come from the pure chunked path: custom kernels have no VJP.
-        op = metal.with_reference_vjp(
-            lambda *a: kda_chunked_metal(*a, mask=mask, chunk_size=chunk_size),
-            lambda *a: kda_chunked(*a, mask=mask, chunk_size=chunk_size),
-        )
-        return op(q, k, v, g, beta, state)
+        # Gradients (training) come from the pure chunked path: kda_chunked_metal wraps its launches in
+        # metal.with_reference_vjp.
+        return kda_chunked_metal(q, k, v, g, beta, state=state, mask=mask, chunk_size=chunk_size)
     return kda_chunked(q, k, v, g, beta, state=state, mask=mask, chunk_size=chunk_size)
 
 
@@ -524,7 +519,9 @@ def kda_recurrent_metal(
         raise ValueError(f"kda_recurrent Metal kernel: Dk and Dv must be multiples of 32, got Dk={Dk}, Dv={Dv}")
     for name, x in (("q", q), ("k", k), ("v", v), ("f", f), ("b", b)):
         if x.dtype not in _KERNEL_DTYPES:
-            raise ValueError(f"kda_recurrent Metal kernel: {name} has dtype {x.dtype}, expected float32/float16/bfloat16")
+            raise ValueError(
+                f"kda_recurrent Metal kernel: {name} has dtype {x.dtype}, expected float32/float16/bfloat16"
+            )
     if kernel is None:
         kernel = metal.kernel("kda_recurrent")
         if kernel is None:

@@ -16,9 +16,9 @@ Split of the work, per group of chunks (about ``kda.GROUP_ELEMS`` elements per i
   that read it) on 8x8 SIMD-group matrices, writing ``o`` straight into ``[B, T, H, Dv]`` in v's dtype (zeros at
   masked tokens) and the final state.
 
-So a prompt costs two launches per group instead of one MLX step per chunk. Custom kernels have no VJP: the op is an
-``mx.custom_function`` whose VJP is the pure path's at the same inputs, so gradients through it are correct (the
-backward recomputes the pure forward); for training, ``kimi_mlx.metal.disabled()`` avoids that recomputation.
+So a prompt costs two launches per group instead of one MLX step per chunk. Custom kernels have no VJP: the launch is
+wrapped in ``kimi_mlx.metal.with_reference_vjp``, so gradients through the op are the pure path's at the same inputs
+(the backward recomputes the pure forward; for training, ``kimi_mlx.metal.disabled()`` avoids that recomputation).
 """
 
 from __future__ import annotations
@@ -96,9 +96,7 @@ def kda_chunked_metal(
 
     # Kernels have no VJP of their own: the gradient is the pure path's, taken at the same inputs (its forward is
     # recomputed in the backward pass), so training through this op is correct, just not accelerated.
-    op = mx.custom_function(launch)
-    op.vjp(lambda primals, cotangents, outputs: mx.vjp(pure, list(primals), list(cotangents))[1])
-    return op(q, k, v, g, beta, state)
+    return metal.with_reference_vjp(launch, pure)(q, k, v, g, beta, state)
 
 
 def _launch(prep, scan, q, k, v, g, beta, state, mask, C: int, simdgroups: int) -> tuple[mx.array, mx.array]:
