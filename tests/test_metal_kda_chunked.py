@@ -89,6 +89,39 @@ def test_float32_matches_pure_paths(strict_kernels, name):
     assert (o[~np.array(args[-1])] == 0).all()
 
 
+def test_prep_kernel_equals_intra_chunk(strict_kernels):
+    """The prep kernel alone, on a window [t0, t1) of a ragged batch with masked steps inside it and a partial last
+    chunk, writes the same wq / uo / kg / decay as the pure ``kda._intra_chunk`` on the masked, padded window."""
+    q, k, v, g, beta, _, _ = inputs(13, 2, 29, 2, 64, 64, extreme=True)
+    mask = np.random.default_rng(13).random((2, 29)) > 0.3
+    t0, t1, C = 3, 22, 8
+    N = -(-(t1 - t0) // C)
+    with strict_kernels.active():
+        got = metal.kernel(PREP_KERNEL)(
+            inputs=[q, k, v, g, beta, mx.array(mask), 29, t0, t1],
+            template=[("QT", q.dtype), ("KT", k.dtype), ("VT", v.dtype), ("C", C), ("Dk", 64), ("Dv", 64), ("H", 2)],
+            grid=(32, N, 4),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(N, 2, 2, 2 * C, 64), (N, 2, 2, 2 * C, 64), (N, 2, 2, C, 64), (N, 2, 2, 64)],
+            output_dtypes=[mx.float32] * 4,
+        )
+        mx.eval(got)
+    live = mx.array(mask[:, t0:t1])
+    gw, bw = kda_mod._mask_gates(g[:, t0:t1], beta[:, t0:t1], live)
+    pad = N * C - (t1 - t0)
+
+    def chunks(x):  # [2, t1 - t0, 2, D] -> [N * 2 * 2, C, D], padded with zeros, chunk-major
+        x = mx.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)])
+        return x.reshape(2, N, C, 2, -1).transpose(1, 0, 3, 2, 4).reshape(N * 4, C, -1)
+
+    ref = kda_mod._intra_chunk(
+        *(chunks(x) for x in (q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], gw)), chunks(bw[..., None])[..., 0]
+    )
+    for name, a, r in zip(("wq", "uo", "kg", "decay"), got, ref):
+        assert_matches(a, r.reshape(a.shape), name)
+    strict_kernels.assert_clean()
+
+
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_half_inputs_within_two_ulp(strict_kernels, dtype):
     """bf16 / fp16 q, k, v (ragged batch, T not a multiple of the chunk): output in v's dtype within 2 ulp of the
