@@ -57,7 +57,7 @@ class KernelBackend:
     def __init__(self, **checks):
         self.name = backend_name()
         self.checks = checks
-        self.results = []  # metal_emu.EmuResult of every emulated launch
+        self.results = []  # (kernel name, metal_emu.EmuResult) of every emulated launch
         self.launched: list[str] = []  # kernel name (``kimi_<file stem>``) of every emulated launch
 
     def _factory(self, **spec):
@@ -74,7 +74,7 @@ class KernelBackend:
         def launch(**kw):
             out = k(**kw)
             if self.name == "emulator":
-                self.results.append(k.last_result)
+                self.results.append((spec["name"], k.last_result))
             self.launched.append(spec["name"])
             return out
 
@@ -95,12 +95,7 @@ class KernelBackend:
 
     def diagnostics(self) -> list:
         """Every warning/error the emulator reported, as ``"kernel: diagnostic"`` strings."""
-        return [
-            f"{r.source.splitlines()[0] if r.source else ''}: {d}"
-            for r in self.results
-            for d in r.diagnostics
-            if d.level in ("warning", "error")
-        ]
+        return [f"{name}: {d}" for name, r in self.results for d in r.diagnostics if d.level in ("warning", "error")]
 
     def assert_clean(self) -> None:
         """Fail if an emulated launch reported any warning or error."""
