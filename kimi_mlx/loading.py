@@ -271,6 +271,7 @@ def load_gguf_model(
             for extra in ("scales", "biases"):
                 if extra in layout:  # float32 scales/biases keep the exact types exact, whatever ``dtype``
                     weights[f"{path}.{extra}"] = layout[extra]
+                    mx.eval(layout[extra])  # a lazy cast would keep its float32 source alive until the end
             decoded.append(info)
         else:
             weights[param] = _cast(dtype, keep, param, mx.array(decode(info)))
