@@ -142,6 +142,14 @@ def mlx_lm_step(model):
     return run
 
 
+def release_memory() -> None:
+    """Drop MLX's buffer cache and hand freed heap pages back to the OS (glibc keeps them otherwise)."""
+    import ctypes
+
+    mx.clear_cache()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def worker(conn, impl: str, path: str, limit_gb: float) -> None:
     """One implementation in its own process under an address-space cap (an out-of-memory step fails there with an
     error instead of waking the machine's OOM killer): loads the model with LoRA, then answers each ``T`` received
@@ -166,10 +174,10 @@ def worker(conn, impl: str, path: str, limit_gb: float) -> None:
             t0 = time.perf_counter()
             loss = run(batch, lengths)
             out = (time.perf_counter() - t0, loss, mx.get_peak_memory())
-            mx.clear_cache()  # an idle worker holds only its model while the other one runs
+            release_memory()  # an idle worker holds only its model while the other one runs
             conn.send(out)
         except (RuntimeError, MemoryError) as e:  # MLX reports a failed allocation as a RuntimeError
-            mx.clear_cache()
+            release_memory()
             conn.send(f"{type(e).__name__}: {str(e)[:120]}")
 
 
@@ -177,9 +185,9 @@ def main(argv=None) -> int:
     import multiprocessing as mp
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[256, 1024], help="tokens per step (batch 1)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[256, 512, 1024], help="tokens per step (batch 1)")
     ap.add_argument("--archs", nargs="+", default=["kimi_linear", "kimi_k3"], choices=["kimi_linear", "kimi_k3"])
-    ap.add_argument("--runs", type=int, default=3, help="timed rounds per size (median), after 1 warm-up round")
+    ap.add_argument("--runs", type=int, default=2, help="timed rounds per size (median), after 1 warm-up round")
     ap.add_argument("--mem-limit-gb", type=float, default=10.0,
                     help="address-space cap per implementation's process (a step above it fails and is reported)")
     ap.add_argument("--cache-dir", type=Path,
@@ -201,6 +209,7 @@ def main(argv=None) -> int:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker, args=(child, impl, str(path), args.mem_limit_gb), daemon=True)
             proc.start()
+            child.close()  # so that a worker's death reads as EOF here
             conns[impl] = parent
             procs.append(proc)
         print("  LoRA adapters: " + ", ".join(f"{n} {c.recv()}" for n, c in conns.items()), flush=True)
@@ -212,8 +221,13 @@ def main(argv=None) -> int:
                 for name, conn in conns.items():
                     if name in failed:
                         continue
-                    conn.send(T)
-                    out = conn.recv()
+                    try:
+                        conn.send(T)
+                        out = conn.recv()
+                    except (EOFError, BrokenPipeError):  # e.g. a failed allocation MLX did not catch (SIGSEGV)
+                        proc = procs[list(conns).index(name)]
+                        proc.join(timeout=10)
+                        out = f"worker died (exit code {proc.exitcode}; out of memory under the cap?)"
                     if isinstance(out, str):
                         failed[name] = out
                         print(f"  {name:8s} T={T:5d} round {i}: FAILED ({out})", flush=True)
@@ -228,8 +242,9 @@ def main(argv=None) -> int:
             if len(losses) == 2:
                 print(f"  first-step loss: kimi-mlx {losses['kimi-mlx']:.5f}, mlx-lm {losses['mlx-lm']:.5f}")
             rows.append((arch, T, times, peaks, failed))
-        for conn in conns.values():
-            conn.send(None)
+        for name, conn in conns.items():
+            if procs[list(conns).index(name)].is_alive():
+                conn.send(None)
         for proc in procs:
             proc.join(timeout=60)
 
