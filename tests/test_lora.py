@@ -264,10 +264,16 @@ def _convert_args(src, out):
 
 
 def test_foreign_adapter_is_refused(kl_dir, k3_dir, tmp_path):
-    """A K3 adapter loaded into Kimi Linear, or one with another rank's shapes, is an AdapterError naming the
-    file and the tensor; the model is left without adapters."""
+    """A K3 adapter loaded into Kimi Linear (refused by its config's model_type, and without one by its tensor
+    names), or one with another rank's shapes, is an AdapterError naming the file and the tensor; the model is left
+    without adapters."""
     make_adapter_dir(k3_dir / "hf", tmp_path / "k3", groups=("kda", "attn_res"))
     model, _ = fresh(kl_dir / "hf")
+    with pytest.raises(AdapterError, match=r"adapter_config\.json: adapter trained for a kimi_k3 model, not kimi_lin"):
+        load_adapters(model, tmp_path / "k3")
+    cfg = json.loads((tmp_path / "k3" / "adapter_config.json").read_text())
+    del cfg["model_type"]  # as in an mlx-lm adapter config: the tensors themselves must not fit
+    (tmp_path / "k3" / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(AdapterError, match=r"adapters\.safetensors.*language_model\.model\.layers"):
         load_adapters(model, tmp_path / "k3")
     assert not any(isinstance(m, ADAPTER_TYPES) for _, m in model.named_modules())

@@ -161,6 +161,11 @@ def train_adapters(args: argparse.Namespace, model, sets) -> None:
     )
     from ..tuner.trainer import train
 
+    for split in ("train", "valid"):
+        if sets.get(split) is not None and len(sets[split]) < args.batch_size:
+            raise ValueError(
+                f"{sets[split].source}: {len(sets[split])} records, fewer than --batch-size {args.batch_size}"
+            )
     projections = parse_projections(args.projections)
     scale = lora_scale(args)
     paths = list(select_modules(model, projections, args.num_layers))
@@ -245,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
 
             if sets.get("test") is None:
                 raise ValueError(f"--data {args.data}: no test split (needed for --test)")
+            if len(sets["test"]) < args.batch_size:
+                raise ValueError(f"{sets['test'].source}: fewer records than --batch-size {args.batch_size}")
             print("Testing")
             test_loss = evaluate(
                 model, sets["test"].tokenized(), args.batch_size, args.test_batches, args.max_seq_length

@@ -272,6 +272,11 @@ def load_adapters(model: nn.Module, adapter_dir: Union[str, Path], file_name: st
         raise AdapterError(f"{source}: cannot read safetensors ({e})") from None
     if not weights:
         raise AdapterError(f"{source}: holds no tensors")
+    model_type = getattr(model, "model_type", None)
+    if config.get("model_type") not in (None, model_type):
+        raise AdapterError(
+            f"{adapter_dir / CONFIG_FILE}: adapter trained for a {config['model_type']} model, not {model_type}"
+        )
     params = config["lora_parameters"]
     fine_tune_type = config.get("fine_tune_type", "lora")
     rank, scale, dropout = int(params["rank"]), float(params["scale"]), float(params.get("dropout", 0.0))
