@@ -433,7 +433,7 @@ def test_cli_lora_fuse_generate_demo(tmp_path):
         "demo",
         "--train",
         "--data",
-        str(DEMO_DATA),
+        "demo",
         "--mask-prompt",
         "--iters",
         "8",

@@ -37,7 +37,9 @@ def add_parser(commands) -> None:
         "--test", action="store_true", help="report the test-set loss (after training, or of --adapter-path)"
     )
     p.add_argument(
-        "--data", required=True, help="directory with train/valid/test.jsonl, or one .jsonl file split by --split"
+        "--data",
+        required=True,
+        help="directory with train/valid/test.jsonl, one .jsonl file split by --split, or 'demo' (the shipped demo set)",
     )
     p.add_argument(
         "--split",
@@ -224,6 +226,7 @@ def train_adapters(args: argparse.Namespace, model, sets) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..data import DEMO_DATA
     from ..loading import load
     from ..tuner.adapters import load_adapters
     from ..tuner.datasets import load_datasets
@@ -235,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
         print("Loading pretrained model")
         model, tokenizer = load(args.model, dtype=DTYPES.get(args.dtype), quantize=quantize)
         print("Loading datasets")
-        sets = load_datasets(args.data, tokenizer, mask_prompt=args.mask_prompt, split=args.split, seed=args.seed)
+        data = DEMO_DATA if args.data == "demo" else args.data
+        sets = load_datasets(data, tokenizer, mask_prompt=args.mask_prompt, split=args.split, seed=args.seed)
         if args.train:
             if sets.get("train") is None:
                 raise ValueError(f"--data {args.data}: no train.jsonl (needed for --train)")
