@@ -531,3 +531,45 @@ def test_gradient_checkpointing_same_gradients(name, kl_dir, k3_dir):
     assert abs(v0 - v1) <= 1e-6 * abs(v0)
     for k in g0:
         assert mx.abs(g0[k] - g1[k]).max().item() <= 1e-5 * (mx.abs(g0[k]).max().item() + 1e-6), k
+
+
+def test_grad_accumulation_equals_larger_batch(kl_dir, tmp_path):
+    """Two accumulated batches of one sequence then one SGD update = one update on the batch of both sequences
+    (equal lengths, so the per-batch mean losses average to the joint mean): same adapter weights to 1e-6."""
+    data = pattern_data()
+    results = []
+    for batch_size, accum in ((2, 1), (1, 2)):
+        model, _ = fresh(kl_dir / "hf")
+        mx.random.seed(0)
+        apply_adapters(model, list(select_modules(model, ["kda", "mla"])), rank=4, scale=5.0)
+        randomize_adapters(model)
+        args = TrainingArgs(
+            batch_size=batch_size,
+            iters=accum,
+            steps_per_report=10,
+            steps_per_eval=10**6,
+            steps_per_save=10**6,
+            grad_accumulation_steps=accum,
+            adapter_file=str(tmp_path / f"a{accum}.safetensors"),
+        )
+        train(model, optim.SGD(learning_rate=0.5), data, None, args, tmp_path, progress=False, log=lambda s: None)
+        results.append(dict(tree_flatten(model.trainable_parameters())))
+    a, b = results
+    assert a.keys() == b.keys()
+    assert max(mx.abs(a[k] - b[k]).max().item() for k in a) <= 1e-6
+
+
+def test_learning_rate_schedules():
+    """--lr-schedule decays over --iters after --warmup (mlx-lm's build_schedule): warm-up from 0 to the rate,
+    cosine to ~0 at the end; --warmup without a schedule is an error."""
+    from types import SimpleNamespace
+
+    from kimi_mlx.cli.lora import learning_rate
+
+    sched = learning_rate(SimpleNamespace(learning_rate=1e-3, lr_schedule="cosine_decay", warmup=10, iters=110))
+    assert sched(mx.array(0)).item() == 0.0
+    assert abs(sched(mx.array(10)).item() - 1e-3) < 1e-9
+    assert sched(mx.array(110)).item() < 1e-3 * 1e-3
+    assert learning_rate(SimpleNamespace(learning_rate=1e-3, lr_schedule=None, warmup=0, iters=5)) == 1e-3
+    with pytest.raises(ValueError, match="--warmup needs --lr-schedule"):
+        learning_rate(SimpleNamespace(learning_rate=1e-3, lr_schedule=None, warmup=3, iters=5))
