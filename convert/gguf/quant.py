@@ -84,7 +84,7 @@ REQUANT_BITS: dict[T, int] = {
 
 GROUP = 32
 # Work on this many elements at a time to bound temporaries on huge (stacked-expert) tensors.
-_CHUNK_ELEMS = 1 << 24
+_CHUNK_ELEMS = 1 << 22
 
 _FLOAT_NP = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}
 
