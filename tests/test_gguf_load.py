@@ -251,7 +251,7 @@ def _mapped_rss(path: Path) -> int:
 def test_loading_releases_file_pages():
     """Each tensor's file pages leave the resident set once copied into MLX (TensorInfo.release), so peak RSS while
     loading is about the model's size, not model + file (bench/bench_gguf_load.py measures it on a 2 GiB file)."""
-    f = _file(KL_FIXTURE, "F32")
+    f = _file(KL_FIXTURE, "F32").resolve()  # /proc/self/smaps names the mapping by its real path
     g = GGUFFile(f)
     info = g.tensors["token_embd.weight"]  # the largest tensor: 512 KiB
     before = _mapped_rss(f)
