@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import chat, convert, fuse, generate, lora
+from . import bench, chat, convert, fuse, generate, lora
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_parser(commands)
     lora.add_parser(commands)
     fuse.add_parser(commands)
+    bench.add_parser(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 

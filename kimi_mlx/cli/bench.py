@@ -1,0 +1,92 @@
+"""``kimi-mlx bench``: prompt-processing and generation speed and peak memory of a model (flags as ``mlx_lm.benchmark``).
+
+Each trial feeds a fresh cache a random prompt (fixed seed, ids below the vocabulary size) and generates exactly
+``--generation-tokens`` greedy tokens (EOS is ignored); one warm-up trial, then medians over ``--num-trials``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+from .generate import add_model_args, load_from_args
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser(
+        "bench",
+        help="measure prompt and generation tokens/s and peak memory",
+        description="Measure prompt-processing and generation speed (tokens/s) and peak memory of a Kimi Linear / "
+        "Kimi-K3 model on random prompts: medians over trials after a warm-up, each trial with a fresh cache.",
+    )
+    add_model_args(p)
+    p.add_argument("--prompt-tokens", "-p", type=int, nargs="+", default=[512], metavar="N",
+                   help="prompt lengths to measure (default 512)")
+    p.add_argument("--generation-tokens", "-g", type=int, default=128, metavar="N",
+                   help="tokens generated per trial (default 128)")
+    p.add_argument("--num-trials", "-n", type=int, default=3, metavar="N", help="timed trials per prompt length")
+    p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.set_defaults(run=run)
+
+
+def trial(model, prompt: mx.array, generation_tokens: int, prefill_step_size: int) -> dict:
+    """One timed run: ``prompt`` [T] int ids -> prompt tok/s (prefill + first token), generation tok/s, peak GB."""
+    from mlx_lm.generate import generate_step
+
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    prefill = 0.0
+    steps = generate_step(prompt, model, max_tokens=generation_tokens, prompt_cache=model.make_cache(),
+                          prefill_step_size=prefill_step_size)
+    for n, _ in enumerate(steps, start=1):
+        if n == 1:
+            prefill = time.perf_counter() - tic
+            tic = time.perf_counter()
+    decode = time.perf_counter() - tic
+    return {
+        "prompt_tps": prompt.size / prefill,
+        "generation_tps": (generation_tokens - 1) / decode if generation_tokens > 1 else 0.0,
+        "peak_memory_gb": mx.get_peak_memory() / 1e9,
+    }
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag, values in (("--prompt-tokens", args.prompt_tokens), ("--generation-tokens", [args.generation_tokens]),
+                         ("--num-trials", [args.num_trials]), ("--prefill-step-size", [args.prefill_step_size])):
+        bad = [v for v in values if v < 1]
+        if bad:
+            raise ValueError(f"{flag} must be >= 1, got {bad[0]}")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _check(args)
+        model, tokenizer = load_from_args(args, progress=not args.json)
+    except (OSError, ValueError) as e:
+        print(f"kimi-mlx: error: {e}", file=sys.stderr)
+        return 2
+    mx.random.seed(0)
+    rows = []
+    for length in args.prompt_tokens:
+        prompt = mx.random.randint(0, tokenizer.vocab_size, (length,))
+        trial(model, prompt, args.generation_tokens, args.prefill_step_size)  # warm-up (compiles, allocations)
+        runs = [trial(model, prompt, args.generation_tokens, args.prefill_step_size) for _ in range(args.num_trials)]
+        rows.append({"prompt_tokens": length, "generation_tokens": args.generation_tokens,
+                     **{k: statistics.median(r[k] for r in runs) for k in runs[0]}})
+    info = {"model": str(args.model), "device": str(mx.default_device()), "trials": args.num_trials, "results": rows}
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"{args.model} on {info['device']}: medians of {args.num_trials} trials after a warm-up, fresh cache each")
+    print(f"{'prompt':>7} {'generate':>8} {'prompt tok/s':>13} {'gen tok/s':>10} {'peak GB':>8}")
+    for r in rows:
+        print(f"{r['prompt_tokens']:>7} {r['generation_tokens']:>8} {r['prompt_tps']:>13.1f} "
+              f"{r['generation_tps']:>10.1f} {r['peak_memory_gb']:>8.3f}")
+    return 0
