@@ -223,7 +223,7 @@ def load_gguf_model(
     MLX quantized layers via ``quant.to_mlx`` (exact where the block format maps exactly); tensors whose module
     stays float (routers, norms, convs, AttnRes scores) or all of them with ``keep_quantized=False`` are decoded.
     ``scale_dtype``: affine scales/biases in float32 (bit-exact for the exact types) or float16/bfloat16
-    (compact: Q4_K 5 instead of 6 bits per weight; the error is measured and warned about once).
+    (compact: Q4_K 5 instead of 6 bits per weight; one warning states the error bound per type).
     Each tensor's file pages are dropped from the resident set once copied, so peak RSS ~ the model's size.
     ``progress``: a bar over the tensor bytes on stderr.
     """
@@ -286,7 +286,7 @@ def load_gguf_model(
     for param, shape in plan.ones.items():
         weights[param] = _cast(dtype, keep, param, mx.ones(shape))
     if inexact:
-        detail = ", ".join(f"{t}: {n} tensors, max abs error {e:.3g}" for t, (n, e) in sorted(inexact.items()))
+        detail = ", ".join(f"{t}: {n} tensors, max abs error <= {e:.3g}" for t, (n, e) in sorted(inexact.items()))
         warnings.warn(f"{g.source}: not bit-exact in MLX ({detail}; scales {scale_dtype})", stacklevel=2)
     if qspecs:
         nn.quantize(model, class_predicate=lambda p, m: qspecs.get(p, False))

@@ -293,22 +293,49 @@ def test_mxfp4_scale_is_e_not_halved():
     np.testing.assert_array_equal(deq(o), val)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q8_0], ids=lambda t: t.name)
-def test_float16_scales_report_error(qtype):
-    """scale_dtype=mx.float16: compact scales; if rounding changed any scale/bias exact is False and
-    max_abs_error is the true max deviation from the GGUF values."""
+@pytest.mark.parametrize("scale_dtype", [mx.float16, mx.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q8_0, T.Q4_1, T.TQ2_0], ids=lambda t: t.name)
+def test_narrow_scales_report_error_bound(qtype, scale_dtype):
+    """scale_dtype=float16/bfloat16: compact scales, exact is False and max_abs_error bounds the true deviation of
+    MLX's dequantization (in that dtype) from the GGUF values, without being loose."""
     shape = (4, 512)
     raw, val = make(qtype, shape, seed=3)
-    o = to_mlx("w", qtype, raw, shape, scale_dtype=mx.float16)
-    assert o["scales"].dtype == mx.float16 and o["biases"].dtype == mx.float16
-    err = float(np.max(np.abs(deq(o) - val)))
-    if o["exact"]:
-        assert err == 0.0
-    else:
-        assert err > 0 and math.isclose(err, o["max_abs_error"], rel_tol=1e-3, abs_tol=1e-12)
-    if qtype == T.Q8_0:  # fp16 d and -128 d are representable, but MLX then dequantizes in fp16
+    o = to_mlx("w", qtype, raw, shape, scale_dtype=scale_dtype)
+    assert o["scales"].dtype == scale_dtype and o["biases"].dtype == scale_dtype
+    assert o["exact"] is False
+    got = mx.dequantize(o["weight"], o["scales"], o["biases"], group_size=o["group_size"], bits=o["bits"])
+    assert got.dtype == scale_dtype  # MLX dequantizes in the scales' dtype, as quantized matmuls in that dtype do
+    err = float(np.max(np.abs(np.array(got.astype(mx.float32)) - val)))
+    bound = o["max_abs_error"]
+    assert err <= bound, (err, bound)
+    ulp_of_max = np.abs(val).max() * 2.0 ** -(10 if scale_dtype == mx.float16 else 7)
+    assert bound <= max(4 * err, 2 * ulp_of_max), (err, bound)  # not loose: 4x the error or 2 ulps of max |w|
+    if qtype == T.Q8_0 and scale_dtype == mx.float16:  # fp16 d and -128 d are representable; MLX dequantizes in fp16
         np.testing.assert_array_equal(np.array(o["scales"].astype(mx.float32)).reshape(-1),
                                       raw.reshape(-1, 34)[:, :2].copy().view(np.float16).astype(np.float32).reshape(-1))
+
+
+def test_narrow_scale_bound_covers_extreme_groups():
+    """The bound also holds for groups whose scale rounds to a float16 subnormal or overflows (inf bound)."""
+    from kimi_mlx.convert.gguf.quant import _narrow_error_bound
+
+    s = np.array([[3e-8, 1.0]], np.float32)
+    b = np.array([[-1e-7, 0.5]], np.float32)
+    q = np.array([[15, 15]], np.uint8)
+    got = np.array(mx.dequantize(*_affine4(s, b), group_size=32, bits=4).astype(mx.float32))
+    want = (s[..., None] * (np.arange(32) % 16)[None, None] + b[..., None]).reshape(1, -1)
+    err = np.max(np.abs(got - want))
+    assert 0 < err <= _narrow_error_bound(s, b, q, mx.float16)
+    assert _narrow_error_bound(np.array([[1e6]], np.float32), b[:, :1], q[:, :1], mx.float16) == math.inf
+
+
+def _affine4(s: np.ndarray, b: np.ndarray):
+    """4-bit codes 0..15 repeated over each 32-wide group, scales/biases rounded to float16."""
+    codes = np.tile(np.arange(32) % 16, s.size).astype(np.uint8).reshape(s.shape[0], -1)
+    from kimi_mlx.convert.gguf.quant import _pack
+
+    w = mx.array(_pack(codes, 4).view(np.uint32))
+    return w, mx.array(s).astype(mx.float16), mx.array(b).astype(mx.float16)
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED_REQUANT, ids=lambda t: t.name)
