@@ -2,8 +2,9 @@
 against gguf-py's own dequantization of the same blocks.
 
 Blocks are random but well-formed: the test suite's encoders (tests/test_gguf_quant.py) for the exact and K types;
-random bytes with a finite fp16 super-block scale (1e-3) for the codebook (IQ*) types. Errors are max |MLX dequantization - gguf-py dequantization| / max |w| over a [64, 4096]
-tensor, for float32 scales (default) and float16 scales.
+random bytes with a finite fp16 super-block scale (1e-3) for the codebook (IQ*) types. Errors are
+max |MLX dequantization - gguf-py dequantization| / max |w| over a [64, 4096] tensor, for float32 scales (default)
+and float16 scales (MLX then dequantizes in float16, as a float16 model does).
 
     python bench/bench_gguf_quant_error.py
 """
@@ -54,8 +55,10 @@ def measure(qtype: T, raw: np.ndarray, scale_dtype) -> tuple[str, float, float]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         o = to_mlx("w", qtype, raw, SHAPE, requantize=True, scale_dtype=scale_dtype)
+    # affine: dequantized in the scales' dtype, as a model in that dtype computes; mxfp4 (uint8 scales): float32
+    out_dtype = mx.float32 if o["mode"] == "mxfp4" else o["scales"].dtype
     got = np.array(mx.dequantize(o["weight"], o["scales"], o.get("biases"), group_size=o["group_size"],
-                                 bits=o["bits"], mode=o["mode"], dtype=mx.float32))
+                                 bits=o["bits"], mode=o["mode"], dtype=out_dtype).astype(mx.float32))
     nbytes = sum(o[k].nbytes for k in ("weight", "scales", "biases") if k in o)
     err = float(np.abs(got - ref).max() / np.abs(ref).max())
     return f"{o['mode']} {o['bits']}-bit g{o['group_size']}", nbytes / raw.nbytes, err
