@@ -145,7 +145,7 @@ def child(path: str, scales: str) -> None:
     seconds = time.perf_counter() - t0
     logits = model(mx.array([tok.encode("hello world")]))
     mx.eval(logits)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # B / KiB
     print(json.dumps({"seconds": seconds, "rss": rss, "mlx_peak": mx.get_peak_memory(),
                       "finite": bool(mx.isfinite(logits).all())}))
 

@@ -404,12 +404,15 @@ def test_bad_data_errors(tmp_path):
 
 
 def test_long_sequence_truncated_with_warning(kl_dir, tmp_path, capsys):
-    """A sequence longer than max_seq_length is cut to it (mlx-lm's batching) and a warning says so."""
-    from mlx_lm.tuner.trainer import iterate_batches
-
-    data = [(list(range(1, 101)), 0), (list(range(1, 41)), 0)]
-    batch, lengths = next(iterate_batches(data, 2, max_seq_length=64))
-    assert batch.shape == (2, 64) and lengths[:, 1].tolist() == [40, 64]
+    """Our training loop cuts a sequence longer than ``max_seq_length`` to it, with a warning: one step on a
+    100-token record with max_seq_length=64 trains on 63 target tokens (100 when nothing is cut)."""
+    model, _ = fresh(kl_dir / "hf")
+    apply_adapters(model, list(select_modules(model, ["kda"], num_layers=1)), rank=4, scale=1.0)
+    args = TrainingArgs(batch_size=1, iters=1, steps_per_report=1, steps_per_eval=10**6, steps_per_save=10**6,
+                        max_seq_length=64, adapter_file=str(tmp_path / "adapters.safetensors"))
+    records = train(model, optim.SGD(learning_rate=0.0), [(list(range(1, 101)), 0)], None, args, tmp_path,
+                    progress=False, log=lambda s: None)
+    assert records[0]["trained_tokens"] == 63
     assert "truncated to 64" in capsys.readouterr().out
 
 
@@ -447,6 +450,8 @@ def test_cli_lora_fuse_generate_demo(tmp_path):
         "8",
         "--val-batches",
         "2",
+        "--max-seq-length",
+        "48",
         "--adapter-path",
         "ad",
         "--quiet",
@@ -454,6 +459,7 @@ def test_cli_lora_fuse_generate_demo(tmp_path):
     run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "Iter 4: Train loss" in run.stdout and "Iter 8: Val loss" in run.stdout
+    assert "truncated to 48" in run.stdout  # the demo records have 55 tokens
     files = {p.name for p in (tmp_path / "ad").iterdir()}
     assert {"adapters.safetensors", "adapter_config.json", "metrics.jsonl", "loss_curve.png"} <= files
     records = [json.loads(x) for x in (tmp_path / "ad" / "metrics.jsonl").read_text().splitlines()]

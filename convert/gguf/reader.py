@@ -91,6 +91,7 @@ def _field_value(field) -> Any:
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 GGML_MAX_DIMS = 4
+GGML_MAX_NAME = 64  # llama.cpp: tensor names are shorter than this, in bytes
 MAX_ARRAY_DEPTH = 8
 # GGUF value type id -> (name, byte size; None: variable)
 _VTYPES = {0: ("UINT8", 1), 1: ("INT8", 1), 2: ("UINT16", 2), 3: ("INT16", 2), 4: ("UINT32", 4), 5: ("INT32", 4),
@@ -266,6 +267,9 @@ def _prescan(s: _Scan) -> dict:
     for i in range(n_tensors):
         at = s.pos
         name = s.string(f"name of tensor info #{i}", decode=True)
+        if not 0 < len(name.encode()) < GGML_MAX_NAME:
+            s.fail(f"tensor info #{i} of n_tensors {n_tensors} (byte offset {at}) has the name {name[:80]!r}; expected "
+                   f"1..{GGML_MAX_NAME - 1} bytes (is n_tensors larger than the number of tensor infos?)")
         if name in names:
             s.fail(f"tensor '{name}' appears twice (second tensor info at byte offset {at}); expected unique names")
         names.add(name)
