@@ -42,7 +42,8 @@ from .prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
 SESSION_KEY = "chat_session"  # prompt-cache file metadata key holding the session as JSON
 STOP_MARKERS = {"kimi_linear": "<|im_end|>", "kimi_k3": "<|end_of_msg|>"}
 THINKING_EFFORTS = ("low", "high", "max")
-SAMPLING_KEYS = ("temp", "top_p", "top_k", "min_p", "repetition_penalty", "sampler", "logits_processors")
+SAMPLING_KEYS = ("temp", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                 "logit_bias", "sampler", "logits_processors")
 
 
 class ContextFullError(RuntimeError):
@@ -119,7 +120,7 @@ class ChatSession:
     system: system prompt (None: the format's default). tools: OpenAI-style tool declarations. thinking /
     thinking_effort: Kimi-K3 only (None: the format's defaults). chat_format: None detects it from the tokenizer.
     max_tokens: reply limit. max_kv_size: limit on the tokens in the cache (None: unlimited). sampling: keyword
-    arguments of ``stream_generate`` (temp, top_p, top_k, min_p, repetition_penalty).
+    arguments of ``stream_generate`` (``SAMPLING_KEYS``).
     """
 
     def __init__(

@@ -9,7 +9,7 @@ part), and ``batch_generate`` for a ragged, left-padded batch with the hybrid ca
 from __future__ import annotations
 
 import time
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,12 +18,27 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
-def _sampling(temp, top_p, top_k, min_p, repetition_penalty, sampler, logits_processors):
+def make_sampling(
+    *,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: Optional[float] = None,
+    presence_penalty: Optional[float] = None,
+    frequency_penalty: Optional[float] = None,
+    logit_bias: Optional[dict[int, float]] = None,
+    sampler=None,
+    logits_processors=None,
+) -> tuple[Callable, list[Callable]]:
+    """(sampler, logits processors) for ``stream_generate``'s sampling options, from mlx-lm's ``make_sampler`` and
+    ``make_logits_processors``. A given ``sampler`` replaces temp/top_p/top_k/min_p; ``logits_processors`` run first."""
     if sampler is None:
         sampler = make_sampler(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    processors = list(logits_processors or [])
-    if repetition_penalty not in (None, 1.0):
-        processors += make_logits_processors(repetition_penalty=repetition_penalty)
+    processors = list(logits_processors or []) + make_logits_processors(
+        logit_bias=logit_bias, repetition_penalty=None if repetition_penalty == 1.0 else repetition_penalty,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+    )
     return sampler, processors
 
 
@@ -49,6 +64,9 @@ def stream_generate(
     top_k: int = 0,
     min_p: float = 0.0,
     repetition_penalty: Optional[float] = None,
+    presence_penalty: Optional[float] = None,
+    frequency_penalty: Optional[float] = None,
+    logit_bias: Optional[dict[int, float]] = None,
     sampler=None,
     logits_processors=None,
     stop_tokens: Sequence[int] = (),
@@ -59,6 +77,12 @@ def stream_generate(
     """Yield one ``GenerationResponse`` per generated token (text may be ``""`` while bytes are incomplete).
 
     prompt: text (encoded as plain text, special-token strings are not interpreted) or token ids.
+    Sampling: ``temp`` 0 is greedy; ``top_k``, ``top_p`` (nucleus) and ``min_p`` (keep p >= min_p * max p) restrict
+    the candidates by the model's probabilities, then a token is drawn from softmax(logits / temp) over them (seed
+    with ``mx.random.seed``). Before that, ``logit_bias`` ({token id: added logit}), ``repetition_penalty`` (logit / r,
+    or * r when negative), ``presence_penalty`` and ``frequency_penalty`` (minus penalty, once or per occurrence)
+    change the logits; the penalties count the last 20 tokens of ``prompt`` (as given: not those already in
+    ``prompt_cache``) and of the reply.
     Stops on the tokenizer's eos ids, ``stop_tokens``, any of ``stop_strings`` (excluded from the text), or
     ``max_tokens``; the last response has ``finish_reason`` "stop" or "length".
     """
@@ -67,7 +91,11 @@ def stream_generate(
     prompt = mx.array(prompt) if not isinstance(prompt, mx.array) else prompt
     if prompt.size == 0:
         raise ValueError("prompt is empty: give at least one token")
-    sampler, processors = _sampling(temp, top_p, top_k, min_p, repetition_penalty, sampler, logits_processors)
+    sampler, processors = make_sampling(
+        temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+        sampler=sampler, logits_processors=logits_processors,
+    )
     stop_ids = set(tokenizer.eos_token_ids) | set(stop_tokens)
     detok = tokenizer.detokenizer
     detok.reset()

@@ -39,8 +39,198 @@ class PlantedBug:
 
 BUGS: tuple[PlantedBug, ...] = (
     # -- sampling options (issue 11 item 1)
+    PlantedBug(
+        "sampling: every option ignored (always greedy)",
+        (("kimi_mlx/generate.py", "    return sampler, processors\n", "    return make_sampler(), []\n"),),
+        ("tests/test_sampling.py::test_sampler_draws_follow_the_formula",),
+    ),
+    PlantedBug(
+        "sampling: temp's value ignored (always 1 when sampling)",
+        (("kimi_mlx/generate.py", "make_sampler(temp=temp,", "make_sampler(temp=1.0 if temp else 0.0,"),),
+        ("tests/test_sampling.py::test_sampler_draws_follow_the_formula",),
+    ),
+    PlantedBug(
+        "sampling: top_p ignored",
+        (("kimi_mlx/generate.py", "make_sampler(temp=temp, top_p=top_p,", "make_sampler(temp=temp,"),),
+        ("tests/test_sampling.py::test_sampler_draws_follow_the_formula",),
+    ),
+    PlantedBug(
+        "sampling: top_k ignored",
+        (("kimi_mlx/generate.py", "top_p=top_p, top_k=top_k, min_p=min_p)", "top_p=top_p, min_p=min_p)"),),
+        ("tests/test_sampling.py::test_sampler_draws_follow_the_formula",),
+    ),
+    PlantedBug(
+        "sampling: min_p ignored",
+        (("kimi_mlx/generate.py", "top_p=top_p, top_k=top_k, min_p=min_p)", "top_p=top_p, top_k=top_k)"),),
+        ("tests/test_sampling.py::test_sampler_draws_follow_the_formula",),
+    ),
+    PlantedBug(
+        "sampling: repetition_penalty ignored",
+        (("kimi_mlx/generate.py", "repetition_penalty=None if repetition_penalty == 1.0 else repetition_penalty,",
+          "repetition_penalty=None,"),),
+        ("tests/test_sampling.py::test_logits_processors_follow_the_formula",),
+    ),
+    PlantedBug(
+        "sampling: logit_bias ignored",
+        (("kimi_mlx/generate.py", "        logit_bias=logit_bias, repetition_penalty=",
+          "        logit_bias=None, repetition_penalty="),),
+        ("tests/test_sampling.py::test_logits_processors_follow_the_formula",),
+    ),
+    PlantedBug(
+        "sampling: presence_penalty and frequency_penalty ignored",
+        (("kimi_mlx/generate.py",
+          "        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,\n    )\n", "    )\n"),),
+        ("tests/test_sampling.py::test_logits_processors_follow_the_formula",),
+    ),
+    PlantedBug(
+        "sampling: stream_generate does not pass top_k on",
+        (("kimi_mlx/generate.py", "temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=",
+          "temp=temp, top_p=top_p, min_p=min_p, repetition_penalty="),),
+        ("tests/test_sampling.py::test_stream_generate_samples_among_the_options_candidates",),
+    ),
+    PlantedBug(
+        "sampling: stream_generate does not pass logit_bias on",
+        (("kimi_mlx/generate.py", "frequency_penalty=frequency_penalty, logit_bias=logit_bias,",
+          "frequency_penalty=frequency_penalty,"),),
+        ("tests/test_sampling.py::test_stream_generate_applies_the_logits_processors",),
+    ),
+    PlantedBug(
+        "sampling: generate drops min_p",
+        (("kimi_mlx/generate.py", "stream_generate(model, tokenizer, prompt, max_tokens, **kwargs)",
+          'stream_generate(model, tokenizer, prompt, max_tokens, **{**kwargs, "min_p": 0.0})'),),
+        ("tests/test_sampling.py::test_generate_passes_the_options",),
+    ),
+    PlantedBug(
+        "sampling: ChatSession does not pass its sampling options on",
+        (("kimi_mlx/chat_session.py", "prompt_cache=self.cache, **self.sampling,", "prompt_cache=self.cache,"),),
+        ("tests/test_sampling.py::test_chat_session_passes_the_options",),
+    ),
+    PlantedBug(
+        "sampling: ChatSession rejects logit_bias",
+        (("kimi_mlx/chat_session.py", '"logit_bias", "sampler"', '"sampler"'),),
+        ("tests/test_sampling.py::test_chat_session_passes_the_options",),
+    ),
+    PlantedBug(
+        "sampling: CLI flag --min-p not read (generate and chat)",
+        (("kimi_mlx/cli/generate.py", '"top_k": args.top_k, "min_p": args.min_p,', '"top_k": args.top_k,'),),
+        ("tests/test_sampling.py::test_cli_generate_passes_the_sampling_flags",
+         "tests/test_sampling.py::test_cli_chat_passes_the_sampling_flags"),
+    ),
+    PlantedBug(
+        "sampling: CLI flag --seed ignored",
+        (("kimi_mlx/cli/generate.py", "        mx.random.seed(args.seed)\n", "        pass\n"),),
+        ("tests/test_sampling.py::test_cli_generate_passes_the_sampling_flags",),
+    ),
+    PlantedBug(
+        "sampling: kimi-mlx generate drops --top-p",
+        (("kimi_mlx/cli/generate.py", "prompt_cache=cache,\n                                **sampling):",
+          'prompt_cache=cache,\n                                **{**sampling, "top_p": 1.0}):'),),
+        ("tests/test_sampling.py::test_cli_generate_passes_the_sampling_flags",),
+    ),
+    PlantedBug(
+        "sampling: kimi-mlx chat drops --top-p",
+        (("kimi_mlx/cli/chat.py", "max_checkpoints=args.max_checkpoints, sampling=sampling,",
+          'max_checkpoints=args.max_checkpoints, sampling={**sampling, "top_p": 1.0},'),),
+        ("tests/test_sampling.py::test_cli_chat_passes_the_sampling_flags",),
+    ),
+    PlantedBug(
+        "sampling: kimi-mlx chat seeds before loading (loading draws random numbers)",
+        (("kimi_mlx/cli/chat.py",
+          "        model, tokenizer = load_from_args(args)\n        sampling = sampling_from_args(args)\n",
+          "        sampling = sampling_from_args(args)\n        model, tokenizer = load_from_args(args)\n"),),
+        ("tests/test_sampling.py::test_cli_chat_passes_the_sampling_flags",),
+    ),
     # -- eps conventions and parity bounds (items 2, 3, 6)
+    PlantedBug(
+        "GGUF loader drops llama.cpp's norm-eps conventions (HF's 1e-6 instead)",
+        (("convert/gguf/arch.py", "        mla_kv_norm_eps=eps, mla_q_norm_eps=eps, kda_l2_eps=eps * eps,\n", ""),),
+        ("tests/test_gguf_load.py::test_logits_match_llama_cpp[kimi_linear-F32]",
+         "tests/test_gguf_load.py::test_logits_match_llama_cpp[kimi_k3-Q8_0]"),
+    ),
+    PlantedBug(
+        "KimiConfig.from_hf ignores mla_kv_norm_eps",
+        (("kimi_mlx/config.py", 'for name in ("mla_kv_norm_eps", "mla_q_norm_eps", "kda_l2_eps"):',
+          'for name in ("mla_q_norm_eps", "kda_l2_eps"):'),),
+        ("tests/test_config_eps.py::test_norm_eps_key_reaches_its_norm[kimi_linear-mla_kv_norm_eps]",
+         "tests/test_convert.py::test_convert_reload_identical[kl-F32.gguf]"),
+    ),
+    PlantedBug(
+        "KimiConfig.from_hf ignores mla_q_norm_eps",
+        (("kimi_mlx/config.py", 'for name in ("mla_kv_norm_eps", "mla_q_norm_eps", "kda_l2_eps"):',
+          'for name in ("mla_kv_norm_eps", "kda_l2_eps"):'),),
+        ("tests/test_config_eps.py::test_norm_eps_key_reaches_its_norm[kimi_k3-mla_q_norm_eps]",
+         "tests/test_convert.py::test_convert_reload_identical[k3-F32.gguf]"),
+    ),
+    PlantedBug(
+        "KimiConfig.from_hf ignores kda_l2_eps",
+        (("kimi_mlx/config.py", 'for name in ("mla_kv_norm_eps", "mla_q_norm_eps", "kda_l2_eps"):',
+          'for name in ("mla_kv_norm_eps", "mla_q_norm_eps"):'),),
+        ("tests/test_config_eps.py::test_norm_eps_key_reaches_its_norm[kimi_linear-kda_l2_eps]",
+         "tests/test_convert.py::test_convert_reload_identical[kl-F32.gguf]"),
+    ),
+    PlantedBug(
+        "KimiConfig.from_hf hard-codes rms_norm_eps 1e-5",
+        (("kimi_mlx/config.py", 'rms_norm_eps=need("rms_norm_eps", float),', "rms_norm_eps=1e-5,"),),
+        ("tests/test_config_eps.py::test_norm_eps_key_reaches_its_norm[kimi_linear-rms_norm_eps]",),
+    ),
+    PlantedBug(
+        "KDA L2-norm eps defaults to llama.cpp's 1e-10 for HF checkpoints",
+        (("kimi_mlx/config.py", "    kda_l2_eps: float = 1e-6", "    kda_l2_eps: float = 1e-10"),),
+        ("tests/test_model_parity.py::test_float32_logits_match_reference[kimi_linear-transformers]",
+         "tests/test_config_eps.py::test_norm_eps_key_reaches_its_norm[kimi_linear-defaults]"),
+    ),
+    PlantedBug(
+        "MLA kv-norm eps defaults to mlx-lm's rms_norm_eps (1e-5) for HF checkpoints",
+        (("kimi_mlx/config.py", "    mla_kv_norm_eps: float = 1e-6", "    mla_kv_norm_eps: float = 1e-5"),),
+        ("tests/test_config_eps.py::test_norm_eps_key_reaches_its_norm[kimi_linear-defaults]",),
+    ),
+    PlantedBug(
+        "bf16 routed experts sent to the CPU's float32-only gather_mm (only fp16 rerouted)",
+        (("kimi_mlx/layers/moe.py", "w is not None and w.dtype != mx.float32", "w is not None and w.dtype == mx.float16"),),
+        ("tests/test_generate.py::test_bfloat16_model_runs_on_cpu",),
+    ),
+    PlantedBug(
+        "on-load quantization leaves lm_head float",
+        (("kimi_mlx/loading.py", "return base(path, module) and weight is not None",
+          'return base(path, module) and path != "lm_head" and weight is not None'),),
+        ("tests/test_loading.py::test_on_load_quantization_keeps_router_and_norms_float",),
+    ),
+    PlantedBug(
+        "on-load quantization ignores the requested group size (MLX's default 64)",
+        (("kimi_mlx/loading.py", 'spec.setdefault("group_size", 64)', 'spec["group_size"] = 64'),),
+        ("tests/test_loading.py::test_on_load_quantization_keeps_router_and_norms_float",),
+    ),
     # -- cache contents after undo / interrupt / system change / regenerate (item 4)
+    PlantedBug(
+        "checkpoint restore keeps a stale KDA conv state",
+        (("kimi_mlx/cache.py", "c.conv_state, c.recurrent_state = snap", "c.recurrent_state = snap[1]"),),
+        ("tests/test_chat_session.py::test_undo_rolls_back_to_the_previous_reply",
+         "tests/test_chat_session.py::test_ctrl_c_inside_a_model_call"),
+    ),
+    PlantedBug(
+        "checkpoint restore keeps a stale KDA recurrent state",
+        (("kimi_mlx/cache.py", "c.conv_state, c.recurrent_state = snap", "c.conv_state = snap[0]"),),
+        ("tests/test_chat_session.py::test_undo_rolls_back_to_the_previous_reply",
+         "tests/test_chat_session.py::test_ctrl_c_inside_a_model_call"),
+    ),
+    PlantedBug(
+        "checkpoint restore trims the MLA latent cache one position short",
+        (("kimi_mlx/cache.py", "c.trim(c.offset - cp.offset)", "c.trim(c.offset - cp.offset - 1)"),),
+        ("tests/test_chat_session.py::test_ctrl_c_inside_a_model_call",
+         "tests/test_chat_session.py::test_undo_rolls_back_to_the_previous_reply"),
+    ),
+    PlantedBug(
+        "session rollback with no checkpoint zeroes the offsets instead of emptying the cache (stale KDA states)",
+        (("kimi_mlx/chat_session.py", "        else:\n            self.cache.reset()\n",
+          "        else:\n            for c in self.cache:\n                c.offset = 0\n"),),
+        ("tests/test_chat_session.py::test_changed_system_prompt",),
+    ),
+    PlantedBug(
+        "session settle winds the offsets back after a cut-short model call (stale KDA states)",
+        (("kimi_mlx/chat_session.py", "            self._roll_back(len(self.tokens))\n",
+          "            for c in self.cache:\n                c.offset = len(self.tokens)\n"),),
+        ("tests/test_chat_session.py::test_ctrl_c_inside_a_model_call",),
+    ),
     # -- error types, platform guards, LoRA truncation (items 5, 7, 8)
     PlantedBug(
         "LoRA training ignores max_seq_length (no truncation)",

@@ -1,7 +1,9 @@
 """ChatSession: cache reuse across turns, regenerate/undo through checkpoints, interruption, context limit, save/load.
 
 The reference for every reply is greedy generation on a fresh cache from the whole conversation rendered by
-``render_chat`` (what a stateless client would do).
+``render_chat`` (what a stateless client would do). The demo model's greedy text barely depends on the context, so
+after every rollback (regenerate, undo, interruption, changed system prompt, tool round, load) the session's cache
+arrays are also compared with a fresh prefill of the session's tokens.
 """
 
 import mlx.core as mx
@@ -9,12 +11,16 @@ import pytest
 from xtml_tokenizer import load_xtml_tokenizer
 
 from kimi_mlx import load
+from kimi_mlx.cache import KDACache
 from kimi_mlx.chat_format import render_chat
 from kimi_mlx.chat_session import ChatSession, ContextFullError
 from kimi_mlx.generate import stream_generate
 from kimi_mlx.prompt_cache import PromptCacheError, save_prompt_cache
 
 N = 12  # reply length (the demo model rarely stops by itself)
+# Cache arrays of a session (prefill chunks + decode steps) vs one fresh prefill of the same tokens: float32 noise of
+# chunked vs step-by-step KDA and expanded vs absorbed MLA, measured up to 5.1e-6 (|values| up to ~4).
+FRESH_ATOL = 1.5e-5
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +43,33 @@ def _run(events) -> list:
 def _check_turn(session: ChatSession, prompt: list[int], reply: list[int]) -> None:
     assert session.last.tokens == reply
     assert session.tokens == prompt + reply and session.cache.offset == len(session.tokens)
+
+
+def _cache_arrays(cache) -> dict[str, mx.array]:
+    """{"layer {i} {name}": array} of what the next model call reads: KDA conv/recurrent state, MLA latents."""
+    out = {}
+    for i, c in enumerate(cache):
+        names = ("conv_state", "recurrent_state") if isinstance(c, KDACache) else ("kv_latent", "k_pe")
+        out.update({f"layer {i} {name}": a for name, a in zip(names, c.state)})
+    return out
+
+
+def _assert_same_cache(got, want, atol: float) -> None:
+    """Same offset in every layer and the same arrays within ``atol``; a mismatch names the layer and array."""
+    assert [c.offset for c in got] == [c.offset for c in want]
+    got, want = _cache_arrays(got), _cache_arrays(want)
+    assert got.keys() == want.keys()
+    for key, a in got.items():
+        assert a.shape == want[key].shape, f"{key}: shape {a.shape}, expected {want[key].shape}"
+        err = mx.abs(a - want[key]).max().item()
+        assert err <= atol, f"{key}: max |difference| {err:.3g} > {atol:g}"
+
+
+def _assert_cache_is_fresh(session: ChatSession) -> None:
+    """The session's cache holds what a fresh prefill of ``session.tokens`` gives (within FRESH_ATOL)."""
+    fresh = session.model.make_cache()
+    mx.eval(session.model(mx.array(session.tokens)[None], cache=fresh))
+    _assert_same_cache(session.cache, fresh, FRESH_ATOL)
 
 
 def test_second_turn_prefills_only_new_tokens(demo):
@@ -66,7 +99,8 @@ def test_second_turn_prefills_only_new_tokens(demo):
 
 def test_regenerate_restores_the_prompt_checkpoint(demo):
     """/regenerate replaces the last reply: only the last prompt token is fed again (the rest comes from the
-    checkpoint), and greedy gives the same reply; sampling with another seed gives the fresh reference's sample."""
+    checkpoint), greedy gives the same reply and the cache equals a fresh prefill; sampling with another seed gives
+    the fresh reference's sample."""
     model, tok = demo
     s = ChatSession(model, tok, max_tokens=N)
     _run(s.send("One"))
@@ -75,6 +109,7 @@ def test_regenerate_restores_the_prompt_checkpoint(demo):
     _run(s.regenerate())
     assert s.last.stats.prefill_tokens == 1 and s.last.stats.reused_tokens == len(prompt) - 1
     _check_turn(s, prompt, first)
+    _assert_cache_is_fresh(s)
     assert len(s.messages) == 4
 
     s.sampling = {"temp": 1.0}
@@ -87,12 +122,13 @@ def test_regenerate_restores_the_prompt_checkpoint(demo):
 
 def test_undo_rolls_back_to_the_previous_reply(demo):
     """/undo removes the last exchange; the next turn restores the checkpoint taken after the previous reply (every
-    token up to it is reused) and its reply equals the fresh reference."""
+    token up to it is reused), its reply equals the fresh reference and the cache a fresh prefill. (The undone reply
+    is 2 tokens, so the state it leaves differs from the restored one: the demo model forgets within ~20 tokens.)"""
     model, tok = demo
     s = ChatSession(model, tok, max_tokens=N)
     _run(s.send("First question"))
     after_first = len(s.tokens)
-    _run(s.send("Second question"))
+    _run(s.send("Second question", max_tokens=2))
     assert s.undo() == 2 and [m["role"] for m in s.messages] == ["user", "assistant"]
     s.messages.append({"role": "user", "content": "Another question"})
     prompt, reply = _fresh_reply(s)
@@ -100,6 +136,7 @@ def test_undo_rolls_back_to_the_previous_reply(demo):
     _run(s.send("Another question"))
     assert s.last.stats.reused_tokens == after_first
     _check_turn(s, prompt, reply)
+    _assert_cache_is_fresh(s)
     s.reset()
     assert s.messages == [] and s.tokens == [] and s.cache.offset == 0
     with pytest.raises(ValueError, match="nothing to undo"):
@@ -110,8 +147,8 @@ def test_undo_rolls_back_to_the_previous_reply(demo):
 
 def test_stopping_a_reply_keeps_the_session(demo):
     """Closing the reply stream after 3 events (what Ctrl-C does in the REPL) keeps the partial reply as the
-    assistant message, marks the turn "interrupted", leaves the cache consistent, and the next turn matches the
-    fresh reference."""
+    assistant message, marks the turn "interrupted", leaves the cache equal to a fresh prefill of the tokens kept,
+    and the next turn matches the fresh reference."""
     model, tok = demo
     s = ChatSession(model, tok, max_tokens=N)
     events = s.send("Tell me a story")
@@ -119,7 +156,8 @@ def test_stopping_a_reply_keeps_the_session(demo):
         next(events)
     events.close()
     assert s.last.stats.finish_reason == "interrupted" and 3 <= len(s.last.tokens) < N
-    assert s.messages[-1]["role"] == "assistant" and s.cache.offset == len(s.tokens)
+    assert s.messages[-1]["role"] == "assistant"
+    _assert_cache_is_fresh(s)
     s.messages.append({"role": "user", "content": "Go on"})
     prompt, reply = _fresh_reply(s)
     s.messages.pop()
@@ -148,7 +186,7 @@ class _Interrupting:
 def test_ctrl_c_inside_a_model_call(demo, at):
     """KeyboardInterrupt raised inside a model call (at=1: during the prefill, before any reply token: the turn is
     dropped; at=5: mid-reply, the cache one token ahead of the yielded reply) propagates, and the session stays
-    consistent: the next turn equals the fresh reference."""
+    consistent: the cache equals a fresh prefill of its tokens and the next turn equals the fresh reference."""
     model, tok = demo
     s = ChatSession(model, tok, max_tokens=N)
     _run(s.send("Hi"))
@@ -156,7 +194,7 @@ def test_ctrl_c_inside_a_model_call(demo, at):
     with pytest.raises(KeyboardInterrupt):
         _run(s.send("Interrupted turn"))
     s.model = model
-    assert s.cache.offset == len(s.tokens)
+    _assert_cache_is_fresh(s)
     if at == 1:
         assert [m["role"] for m in s.messages] == ["user", "assistant"]
     else:
@@ -186,8 +224,8 @@ def test_context_limit(demo):
 
 
 def test_save_and_load(demo, tmp_path):
-    """save + load into a new session restores messages, settings, tokens and cache: the next turn reuses all
-    cached tokens and gives the same reply as the original session's next turn."""
+    """save + load into a new session restores messages, settings, tokens and cache (bitwise): the next turn reuses
+    all cached tokens and gives the same reply and bitwise the same cache as the original session's next turn."""
     model, tok = demo
     s = ChatSession(model, tok, system="You are terse.", max_tokens=N)
     _run(s.send("Hello"))
@@ -196,9 +234,11 @@ def test_save_and_load(demo, tmp_path):
     t = ChatSession(model, tok, max_tokens=N)
     t.load(tmp_path / "chat.safetensors")
     assert t.messages == s.messages and t.system == "You are terse." and t.tokens == s.tokens
+    _assert_same_cache(t.cache, s.cache, 0)
     _run(s.send("Third"))
     _run(t.send("Third"))
     assert t.last.tokens == s.last.tokens and t.last.stats.prefill_tokens == s.last.stats.prefill_tokens
+    _assert_same_cache(t.cache, s.cache, 0)
     save_prompt_cache(tmp_path / "plain.safetensors", model, model.make_cache(), [])
     with pytest.raises(PromptCacheError, match="without a chat session"):
         t.load(tmp_path / "plain.safetensors")
@@ -241,7 +281,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 def test_tool_round(demo):
     """Tools are declared in the prompt; after an assistant tool call, ``tool_results`` adds the tool message
-    (with the call's id) and the reply equals the fresh reference on the whole rendered round."""
+    (with the call's id), the reply equals the fresh reference on the whole rendered round and the cache (rolled
+    back: the call is rendered unlike the generated reply) a fresh prefill."""
     model, tok = demo
     s = ChatSession(model, tok, tools=TOOLS, max_tokens=N)
     _run(s.send("Weather in Tokyo?"))
@@ -256,11 +297,12 @@ def test_tool_round(demo):
     assert [m["role"] for m in s.messages] == ["user", "assistant", "tool", "assistant"]
     assert s.messages[2]["tool_call_id"] == "functions.get_weather:0"
     _check_turn(s, prompt, reply)
+    _assert_cache_is_fresh(s)
 
 
 def test_changed_system_prompt(demo):
     """Changing the system prompt mid-conversation: the next turn rolls the cache back (nothing after the change is
-    reusable) and its reply equals the fresh reference for the new rendering."""
+    reusable), its reply equals the fresh reference for the new rendering and the cache a fresh prefill."""
     model, tok = demo
     s = ChatSession(model, tok, system="Be brief.", max_tokens=N)
     _run(s.send("Hello"))
@@ -271,6 +313,7 @@ def test_changed_system_prompt(demo):
     _run(s.send("Again"))
     _check_turn(s, prompt, reply)
     assert s.last.stats.reused_tokens == 0  # no checkpoint lies before the system prompt
+    _assert_cache_is_fresh(s)
 
 
 def _forced(script: list[int]):

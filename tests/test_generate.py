@@ -1,4 +1,4 @@
-"""Generation API (stop conditions, responses, sampling options) and the CLI on the built-in demo model."""
+"""Generation API (stop conditions, responses) and the CLI on the built-in demo model; sampling: test_sampling.py."""
 
 import subprocess
 import sys
@@ -48,18 +48,6 @@ def test_stop_token(demo):
     assert len(responses) == tokens.index(tokens[5]) + 1
 
 
-def test_sampling_is_seeded_and_options_apply(demo):
-    """temp/top_p/top_k/min_p/repetition_penalty run; the same seed gives the same sample; top_k=1 is greedy."""
-    model, tok = demo
-    kw = dict(temp=1.0, top_p=0.9, min_p=0.01, repetition_penalty=1.3)
-    mx.random.seed(7)
-    a = generate(model, tok, "Hi", max_tokens=16, **kw)
-    mx.random.seed(7)
-    b = generate(model, tok, "Hi", max_tokens=16, **kw)
-    assert a == b
-    assert generate(model, tok, "Hi", max_tokens=16, temp=1.0, top_k=1) == generate(model, tok, "Hi", max_tokens=16)
-
-
 def test_empty_prompt_rejected(demo):
     """An empty prompt gives a clear ValueError, not a crash inside MLX."""
     model, tok = demo
@@ -88,8 +76,8 @@ def test_cli_bad_model_path(tmp_path):
 
 
 def test_bfloat16_model_runs_on_cpu(kl_dir):
-    """dtype=bfloat16 on the CPU backend (whose gather_mm is float32-only) decodes without error and stays close
-    to the float32 model's greedy logits."""
+    """dtype=bfloat16 on the CPU backend (whose gather_mm is float32-only) decodes without error and stays within
+    bfloat16 rounding of the float32 model's logits."""
     from kimi_mlx.loading import load_model
 
     ids = mx.array([[1, 2, 3, 4, 5]])
@@ -99,4 +87,6 @@ def test_bfloat16_model_runs_on_cpu(kl_dir):
     bf16(ids, cache=cache)
     step = bf16(mx.array([[6]]), cache=cache)
     ref = f32(mx.array([[1, 2, 3, 4, 5, 6]]))[:, -1:]
-    assert mx.abs(step.astype(mx.float32) - ref).max().item() < 0.5
+    # measured 0.024: bf16 activations (8-bit mantissa) on logits of size ~3; both models hold the same weights (the
+    # checkpoint stores its projections in bf16, and A_log, dt_bias, convs and router bias stay float32)
+    assert mx.abs(step.astype(mx.float32) - ref).max().item() < 0.075

@@ -34,10 +34,21 @@ def _logits(model, ids) -> np.ndarray:
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
+# Max |our float32 logits - llama.cpp's| per file. Measured: kimi_linear F32 5.7e-6, F16 6.4e-6, Q8_0 6.9e-6;
+# kimi_k3 F32 3.5e-5, F16 4.7e-5, Q8_0 2.2e-5 (K3's tiny model amplifies float32 rounding: weight noise of one ulp
+# moves its logits by ~4e-5). Dropping llama.cpp's norm epsilons (rms_norm_eps for every norm, its square inside the
+# KDA L2 norm) for HF's 1e-6 gives 9.7e-5 (kimi_linear) / 8.2e-5 to 9.0e-5 (kimi_k3): every kimi_linear bound and
+# kimi_k3's Q8_0 bound sit below that.
+LLAMA_CPP_TOL = {
+    ("kimi_linear", "F32"): 2e-5, ("kimi_linear", "F16"): 2e-5, ("kimi_linear", "Q8_0"): 2e-5,
+    ("kimi_k3", "F32"): 1e-4, ("kimi_k3", "F16"): 1.4e-4, ("kimi_k3", "Q8_0"): 7e-5,
+}
+
+
 @pytest.mark.parametrize("d,q", GGUFS, ids=[f"{d.name}-{q}" for d, q in GGUFS])
 def test_logits_match_llama_cpp(d, q):
-    """float32 logits at every position within 3e-4 of llama.cpp (F32 file: its logits; F16/Q8_0: llama.cpp on the
-    same weights dequantised to F32), loaded through ``kimi_mlx.load`` (Q8_0 kept as MLX 8-bit layers)."""
+    """float32 logits at every position within LLAMA_CPP_TOL of llama.cpp (F32 file: its logits; F16/Q8_0: llama.cpp
+    on the same weights dequantised to F32), loaded through ``kimi_mlx.load`` (Q8_0 kept as MLX 8-bit layers)."""
     import kimi_mlx
 
     f = _file(d, q)
@@ -45,7 +56,7 @@ def test_logits_match_llama_cpp(d, q):
     ref = np.load(str(f)[:-5] + (".logits.npy" if q == "F32" else ".dequant_f32.logits.npy"))
     out = _logits(model, _manifest(d)["token_ids"])
     assert out.shape == ref.shape
-    assert np.abs(out - ref).max() < 3e-4
+    assert np.abs(out - ref).max() <= LLAMA_CPP_TOL[d.name, q]
     if q == "Q8_0":
         from mlx.utils import tree_flatten
 
@@ -54,11 +65,12 @@ def test_logits_match_llama_cpp(d, q):
 
 @pytest.mark.parametrize("d", [KL_FIXTURE, K3_FIXTURE], ids=["kimi_linear", "kimi_k3"])
 def test_dequantize_path_matches(d):
-    """``keep_quantized=False`` (every tensor decoded to float) gives the same logits for the Q8_0 file."""
+    """``keep_quantized=False`` (every tensor decoded to float) gives the Q8_0 file's logits within LLAMA_CPP_TOL of
+    llama.cpp's on the same weights (measured as for the kept-quantized load: 6.9e-6 / 2.2e-5)."""
     f = _file(d, "Q8_0")
     model, _ = load_gguf_model(GGUFFile(f), dtype=mx.float32, keep_quantized=False)
     ref = np.load(str(f)[:-5] + ".dequant_f32.logits.npy")
-    assert np.abs(_logits(model, _manifest(d)["token_ids"]) - ref).max() < 3e-4
+    assert np.abs(_logits(model, _manifest(d)["token_ids"]) - ref).max() <= LLAMA_CPP_TOL[d.name, "Q8_0"]
 
 
 @pytest.mark.parametrize("d", [KL_FIXTURE, K3_FIXTURE], ids=["kimi_linear", "kimi_k3"])
@@ -219,7 +231,7 @@ def test_split_gguf_set(tmp_path):
     assert len(shards) == 3
     model, _ = kimi_mlx.load(str(shards[0]))
     ref = np.load(K3_FIXTURE / "kimi-k3-tiny-F32.logits.npy")
-    assert np.abs(_logits(model, _manifest(K3_FIXTURE)["token_ids"]) - ref).max() < 3e-4
+    assert np.abs(_logits(model, _manifest(K3_FIXTURE)["token_ids"]) - ref).max() <= LLAMA_CPP_TOL["kimi_k3", "F32"]
     shards[-1].unlink()
     assert "missing shard" in _error(shards[0])
 
@@ -283,6 +295,7 @@ def test_compact_scales_are_warned_about():
     scales = [v for k, v in tree_flatten(model.parameters()) if k.endswith(".scales")]
     assert scales and all(v.dtype == mx.float16 for v in scales)
     ref = np.load(str(f)[:-5] + ".dequant_f32.logits.npy")
+    # measured 6.2e-3: the weight error that the warning reports, not float32 rounding
     assert np.abs(_logits(model, _manifest(KL_FIXTURE)["token_ids"]) - ref).max() < 1e-2
 
 
@@ -317,7 +330,7 @@ EXPERT_LAYOUTS = [
 def test_quantized_experts_end_to_end(tmp_path, name, d, qtypes):
     """A GGUF whose routed experts are stored in an exact block type loads into MLX quantized expert stacks
     (gather_qmm-ready, mode/bits of the type) whose logits equal the model loaded from gguf-py's F32
-    dequantization of the same blocks (<= 1e-4), with no precision warning."""
+    dequantization of the same blocks (up to float32 rounding), with no precision warning."""
     import kimi_mlx
 
     quant, ref = _experts_as(_file(d, "F32"), tmp_path, qtypes)
@@ -326,7 +339,9 @@ def test_quantized_experts_end_to_end(tmp_path, name, d, qtypes):
         model, _ = kimi_mlx.load(str(quant), dtype=mx.float32)
     ids = _manifest(d)["token_ids"]
     want = _logits(kimi_mlx.load(str(ref), dtype=mx.float32)[0], ids)
-    assert np.abs(_logits(model, ids) - want).max() <= 1e-4
+    # measured 0 on the CPU (its gather_qmm dequantizes, then multiplies in float32); quantized kernels that
+    # accumulate in another order only round differently, which moves logits by ~5e-6 (kimi_linear) / 4e-5 (kimi_k3)
+    assert np.abs(_logits(model, ids) - want).max() <= (1e-5 if d == KL_FIXTURE else 1e-4)
     from mlx.utils import tree_flatten
 
     experts = [k for k, v in tree_flatten(model.parameters()) if "switch_mlp" in k and k.endswith(".scales")]

@@ -57,8 +57,10 @@ def test_attn_res_mix_matches_formula():
         scales = [inv_rms(b, eps) for b in blocks]
         partial = mx.array(V[-1], mx.float32)
         got = attn_res_mix(blocks, scales, partial, nw * proj.weight[0], eps)
-        np.testing.assert_allclose(np.array(got), expected, rtol=2e-5, atol=2e-5 * np.abs(expected).max())
+        # measured: the error uses 0.30 of this tolerance (n = 8)
+        np.testing.assert_allclose(np.array(got), expected, rtol=2.5e-6, atol=2.5e-6 * np.abs(expected).max())
         scored = attn_res_mix_scored(blocks, scales, partial, lambda k: proj(k * nw), eps)
+        # measured: the difference uses 0.55 of this tolerance (n = 8)
         np.testing.assert_allclose(np.array(scored), np.array(got), rtol=1e-5, atol=1e-6 * np.abs(expected).max())
 
 
@@ -71,7 +73,7 @@ def test_situ_matches_formula(linear_beta):
     clipped = up if linear_beta is None else linear_beta * np.tanh(up / linear_beta)
     expected = beta * np.tanh(gate / beta) / (1 + np.exp(-gate)) * clipped
     got = situ(mx.array(up, mx.float32), mx.array(gate, mx.float32), beta, linear_beta)
-    np.testing.assert_allclose(np.array(got), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(got), expected, rtol=1e-6, atol=1e-6)  # measured: error uses 0.22 of it
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
@@ -89,7 +91,7 @@ def test_decay_gate_matches_formula(lower_bound):
     else:
         expected = lower_bound / (1 + np.exp(-rate * z))
     got = kda_decay(mx.array(f, mx.float32), mx.array(a_log, mx.float32), mx.array(dt, mx.float32), lower_bound)
-    np.testing.assert_allclose(np.array(got), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(got), expected, rtol=1e-6, atol=1e-6)  # measured: error uses 0.33 of it
 
 
 def _mxfp4_hand_packed(rng, out_dim, in_dim):
@@ -153,8 +155,9 @@ def test_mxfp4_experts_load_byte_for_byte(k3_copy, make):
     edit_checkpoint(float_dir, weights=to_float, config=lambda c: c.pop("quantization_config"))
     reference, _ = load_model(float_dir, dtype=mx.float32)
     ids = mx.array([list(range(30))])
-    # Weights are identical (checked above); quantized vs float matmuls only round differently.
-    assert mx.abs(model(ids) - reference(ids)).max().item() <= 1e-4
+    # Weights are identical (checked above); quantized vs float matmuls only round differently: measured 6.2e-6 and
+    # 2.5e-5 (K3's tiny model amplifies float32 rounding: weight noise of one ulp moves its logits by ~4e-5).
+    assert mx.abs(model(ids) - reference(ids)).max().item() <= 7.5e-5
 
 
 def test_lora_on_every_linear_trains_one_step(k3_model):
@@ -231,13 +234,13 @@ def test_unsupported_quantization_config(k3_copy):
 
 def test_mlx_lm_quantized_k3_directory(k3_dir, tmp_path):
     """A K3 directory converted and 4-bit quantized by mlx-lm (fused qkv_proj/qkv_conv, split kv_b_proj, its
-    AttnRes names) loads and matches mlx-lm's own forward of that directory in float32 (<= 1e-4)."""
+    AttnRes names) loads and matches mlx-lm's own forward of that directory in float32."""
     ref = mlx_lm_quantized(k3_dir / "hf", tmp_path)
     ours, _ = load_model(tmp_path, dtype=mx.float32)
     assert "qkv_proj" in ours.layers[0].self_attn
     ids = mx.array([list(range(40))])
     diff = mx.abs(ours(ids) - ref(ids)).max().item()
-    assert diff <= 1e-4, diff
+    assert diff <= 5e-5, diff  # measured 1.6e-5
 
 
 def test_on_load_quantization_of_non_expert_weights(k3_copy):

@@ -9,7 +9,8 @@ import pytest
 from kimi_mlx.ops import kda as kda_mod
 from kimi_mlx.ops.kda import kda_chunked, kda_forward, kda_recurrent
 
-TOL = 1e-5  # relative to the max abs of the reference
+# Relative to the max abs of the reference; measured up to 2.5e-7 (float32 scans vs the float64 reference).
+TOL = 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ PATHS = {
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("extreme", [False, True])
 def test_matches_float64_reference(path, extreme):
-    """Every path matches the float64 reference to 1e-5 (relative to max |ref|) on outputs and final state, with an
+    """Every path matches the float64 reference to TOL (relative to max |ref|) on outputs and final state, with an
     initial state, T = 77 (not a multiple of any chunk size), and (extreme=True) exp(A_log) up to 201 and steps at
     exactly -1000; no NaN/Inf."""
     rng = np.random.default_rng(1 + extreme)
@@ -145,8 +146,8 @@ def test_left_padding_ragged_batch(path):
     # The padded row alone, without its padding.
     solo = [x[1:2, pad:] for x in arrs]
     o_solo, S_solo = PATHS[path](*[mx.array(x) for x in solo], state=mx.array(state[1:2]))
-    np.testing.assert_allclose(np.array(o)[1:2, pad:], np.array(o_solo), atol=1e-6, rtol=1e-5)
-    np.testing.assert_allclose(np.array(S)[1:2], np.array(S_solo), atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(np.array(o)[1:2, pad:], np.array(o_solo), atol=1e-6, rtol=1e-6)  # measured 7e-9
+    np.testing.assert_allclose(np.array(S)[1:2], np.array(S_solo), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("path", ["recurrent", "chunked16"])
@@ -207,7 +208,7 @@ def test_bf16_inputs_give_float32_state(path):
     rounded = [np.array(x.astype(mx.float32)) for x in (qb, kb, vb, g, bb)]
     ref_o, ref_S = ref_kda(*rounded, state=np.array(sb.astype(mx.float32)))
     assert rel_err(np.array(S), ref_S) <= TOL
-    assert rel_err(np.array(o.astype(mx.float32)), ref_o) <= 1e-2
+    assert rel_err(np.array(o.astype(mx.float32)), ref_o) <= 7e-3  # measured 2.4e-3: the output's rounding to bf16
 
 
 def test_forward_dispatch_threshold():
@@ -220,7 +221,7 @@ def test_forward_dispatch_threshold():
         a, s = to_mx(arrs, state)
         o, S = kda_forward(*a, state=s)
         o2, S2 = kda_recurrent(*a, state=s)
-        np.testing.assert_allclose(np.array(o), np.array(o2), atol=1e-6)
+        np.testing.assert_allclose(np.array(o), np.array(o2), atol=1e-6)  # measured 3e-8
         np.testing.assert_allclose(np.array(S), np.array(S2), atol=1e-6)
 
 
@@ -261,7 +262,7 @@ def test_grad_chunked_matches_recurrent(extreme):
         gr, gc = np.array(gr), np.array(gc)
         assert np.isfinite(gc).all() and np.isfinite(gr).all(), name
         scale = max(np.abs(gr).max(), 1e-6)
-        assert np.abs(gr - gc).max() / scale <= 1e-4, name
+        assert np.abs(gr - gc).max() / scale <= 1.5e-6, name  # measured 4.6e-7
     # masked steps get no gradient
     pad = ~np.array(mask)
     for gc in g_chk[:5]:
@@ -271,7 +272,7 @@ def test_grad_chunked_matches_recurrent(extreme):
 @pytest.mark.parametrize("path", ["chunked8", "recurrent"])
 def test_grad_matches_float64_finite_differences(path):
     """MLX gradients (float32) match central finite differences of the float64 reference loss (eps = 1e-6) on a few
-    perturbed entries of q, k, v, g, beta and the initial state, to 1e-3 relative to each gradient's scale. Chunk 8
+    perturbed entries of q, k, v, g, beta and the initial state, to 1e-6 relative to each gradient's scale. Chunk 8
     with T = 19 covers several chunks plus a padded tail."""
     rng = np.random.default_rng(12)
     B, T, H, Dk, Dv = 1, 19, 2, 8, 4
@@ -295,7 +296,8 @@ def test_grad_matches_float64_finite_differences(path):
             plus[idx][pos] += eps
             minus[idx][pos] -= eps
             fd = (_ref_loss(plus[:5], plus[5], W, WS, None) - _ref_loss(minus[:5], minus[5], W, WS, None)) / (2 * eps)
-            assert abs(grads[idx][pos] - fd) <= 1e-3 * scale, (name, pos, grads[idx][pos], fd)
+            # measured 2.3e-7 (the float32 gradient's rounding; the float64 difference quotient is far closer)
+            assert abs(grads[idx][pos] - fd) <= 1e-6 * scale, (name, pos, grads[idx][pos], fd)
 
 
 def test_grad_finite_with_extreme_decay_steps():

@@ -6,29 +6,37 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-# Cache-consistency tolerance. Kimi Linear: 1e-5 (the issue's bound). Kimi-K3's tiny model amplifies float32
-# rounding more: its KDA outputs are ~0.02 in scale and o_norm rescales them to ~1, so chunked (prefill) and
-# recurrent (decode) KDA, both within 2e-7 relative of a float64 scan, differ by up to ~4e-5 in its logits.
-CONSISTENCY_TOL = {"kimi_linear": 1e-5, "kimi_k3": 6e-5}
+# Cache-consistency tolerance: max |logit| difference between two paths of our own float32 forward, measured over the
+# three tests below: Kimi Linear 4.8e-6, Kimi-K3 1.4e-5. Kimi-K3's tiny model amplifies float32 rounding more: its
+# KDA outputs are ~0.02 in scale and o_norm rescales them to ~1, so chunked (prefill) and recurrent (decode) KDA, both
+# within 2e-7 relative of a float64 scan, differ visibly in its logits.
+CONSISTENCY_TOL = {"kimi_linear": 1e-5, "kimi_k3": 4.5e-5}
 
 
 def _logits(model, ids, cache=None):
     return np.array(model(mx.array(ids), cache=cache).astype(mx.float32))
 
 
+# Reference logits made by other implementations from the same weights, each with its own norm epsilons (spec §8).
+# transformers has ours (HF's 1e-6 for the MLA kv-norm and the KDA L2 norm), so its bound sits below the effect of
+# llama.cpp's epsilons on our model (9.7e-5). mlx-lm's kimi_linear uses rms_norm_eps (1e-5) for the kv-norm: 1.8e-5
+# of its difference is that (tests/test_config_eps.py compares with every epsilon aligned). llama.cpp's run uses
+# rms_norm_eps for every norm and its square in the L2 norm: that difference is what the bound covers (the GGUF files
+# loaded with llama.cpp's epsilons match it within 2e-5 / 1e-4, tests/test_gguf_load.py).
 @pytest.mark.parametrize(
     "model_fixture, reference, tol",
     [
-        ("kimi_linear", "hf_transformers.logits.npy", 1e-4),
-        ("kimi_linear", "mlx_lm.logits.npy", 1e-4),
-        ("kimi_linear", "kimi-linear-tiny-F32.logits.npy", 3e-4),
-        ("kimi_k3", "mlx_lm.logits.npy", 1e-4),
-        ("kimi_k3", "kimi-k3-tiny-F32.logits.npy", 3e-4),
+        ("kimi_linear", "hf_transformers.logits.npy", 2e-5),  # measured 5.8e-6
+        ("kimi_linear", "mlx_lm.logits.npy", 5e-5),  # measured 1.8e-5
+        ("kimi_linear", "kimi-linear-tiny-F32.logits.npy", 3e-4),  # measured 9.8e-5
+        ("kimi_k3", "mlx_lm.logits.npy", 6e-5),  # measured 2.0e-5 (K3 amplifies float32 rounding)
+        ("kimi_k3", "kimi-k3-tiny-F32.logits.npy", 2.5e-4),  # measured 8.3e-5
     ],
+    ids=["kimi_linear-transformers", "kimi_linear-mlx_lm", "kimi_linear-llama_cpp", "kimi_k3-mlx_lm", "kimi_k3-llama_cpp"],
 )
 def test_float32_logits_match_reference(request, model_fixture, reference, tol):
     """Full forward on the manifest's 40 ids: max abs logit diff at every position within tol of the reference
-    (transformers, mlx-lm; llama.cpp's F32 GGUF run, whose eps conventions differ by ~1e-4)."""
+    (transformers, mlx-lm, llama.cpp's F32 GGUF run; their eps conventions differ, see above)."""
     path = request.getfixturevalue("kl_dir" if model_fixture == "kimi_linear" else "k3_dir")
     model = request.getfixturevalue("kl_model" if model_fixture == "kimi_linear" else "k3_model")
     ids = json.loads((path / "manifest.json").read_text())["token_ids"]

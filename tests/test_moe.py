@@ -16,6 +16,10 @@ from kimi_mlx.layers.moe import (
 )
 
 E, K, HIDDEN, INTER = 8, 2, 64, 32
+# Two paths to the same result (sorted vs SwitchGLU, quantized_matmul vs dequantize + matmul, compiled, gradients):
+# max difference relative to the result's largest entry. Measured 0 on the CPU, where both paths run the same float32
+# kernels; other backends may accumulate in another order (about 1e-7 relative per rounding).
+PATH_TOL = 2e-6
 
 
 def _switch(quantized: bool) -> SwitchGLU:
@@ -40,7 +44,7 @@ def _inputs(n_tokens: int, skip=(3, 6)):
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4-affine"])
 @pytest.mark.parametrize("n_tokens", [3, SORTED_MIN_PAIRS // K + 37])
 def test_sorted_path_matches_switchglu(quantized, n_tokens):
-    """sorted_switch_glu == SwitchGLU (f32 <= 1e-5; 4-bit affine within float rounding), for a token count below
+    """sorted_switch_glu == SwitchGLU (float32 and 4-bit affine, up to float32 rounding), for a token count below
     and above the dispatch threshold, with two experts that receive no tokens."""
     sw = _switch(quantized)
     x, inds = _inputs(n_tokens)
@@ -48,8 +52,7 @@ def test_sorted_path_matches_switchglu(quantized, n_tokens):
     ref = sw(x, inds)
     out = sorted_switch_glu(sw, x, inds)
     assert out.shape == ref.shape == (1, n_tokens, K, HIDDEN)
-    tol = 1e-5 if not quantized else 1e-4 * float(mx.abs(ref).max())
-    assert float(mx.abs(out - ref).max()) <= tol
+    assert float(mx.abs(out - ref).max()) <= PATH_TOL * float(mx.abs(ref).max())
 
 
 def test_quantized_dequant_and_qmm_branches(monkeypatch):
@@ -60,7 +63,7 @@ def test_quantized_dequant_and_qmm_branches(monkeypatch):
     for rows in (1, 10**9):
         monkeypatch.setattr(moe, "DEQUANT_MIN_ROWS", rows)
         out = sorted_switch_glu(sw, x, inds)
-        assert float(mx.abs(out - ref).max()) <= 1e-4 * float(mx.abs(ref).max())
+        assert float(mx.abs(out - ref).max()) <= PATH_TOL * float(mx.abs(ref).max())
 
 
 def test_dispatch_threshold(monkeypatch):
@@ -75,7 +78,7 @@ def test_dispatch_threshold(monkeypatch):
         x, inds = _inputs(n)
         out = switch_glu(sw, x, inds)
         assert len(calls) == expect, n
-        assert float(mx.abs(out - sw(x, inds)).max()) <= 1e-5
+        assert float(mx.abs(out - sw(x, inds)).max()) <= PATH_TOL  # outputs are below 1 in size
 
 
 def test_compile_falls_back():
@@ -83,7 +86,7 @@ def test_compile_falls_back():
     sw = _switch(False)
     x, inds = _inputs(100)
     out = mx.compile(lambda a, b: switch_glu(sw, a, b))(x, inds)
-    assert float(mx.abs(out - sw(x, inds)).max()) <= 1e-5
+    assert float(mx.abs(out - sw(x, inds)).max()) <= PATH_TOL  # outputs are below 1 in size
 
 
 def test_gradients_match():
@@ -99,10 +102,10 @@ def test_gradients_match():
     params = sw.trainable_parameters()
     g_ref = mx.grad(loss, argnums=(0, 1))(params, x, lambda s, a, b: s(a, b))
     g_new = mx.grad(loss, argnums=(0, 1))(params, x, sorted_switch_glu)
-    assert float(mx.abs(g_ref[1] - g_new[1]).max()) <= 1e-4
+    assert float(mx.abs(g_ref[1] - g_new[1]).max()) <= PATH_TOL * float(mx.abs(g_ref[1]).max())
     for name in ("gate_proj", "up_proj", "down_proj"):
         a, b = g_ref[0][name]["weight"], g_new[0][name]["weight"]
-        assert float(mx.abs(a - b).max()) <= 1e-4 * max(1.0, float(mx.abs(a).max()))
+        assert float(mx.abs(a - b).max()) <= PATH_TOL * float(mx.abs(a).max())
 
 
 def test_sparse_moe_uses_route_and_matches():
@@ -119,7 +122,7 @@ def test_sparse_moe_uses_route_and_matches():
     x = mx.random.normal((2, 50, HIDDEN))
     inds, weights = moe.route(layer.gate(x), layer.e_score_correction_bias, K, 1, 1, True, 2.5)
     ref = (layer.switch_mlp(x, inds) * weights[..., None]).sum(-2) + layer.shared_experts(x)
-    assert float(mx.abs(layer(x) - ref).max()) <= 1e-5
+    assert float(mx.abs(layer(x) - ref).max()) <= PATH_TOL * float(mx.abs(ref).max())
 
 
 def _route_reference(logits, bias, top_k, n_group, topk_group, renormalize, scaling):
@@ -156,4 +159,4 @@ def test_route_matches_reference(n_group, topk_group):
         got = np.array(inds[t]).tolist()
         assert set(got) == ref_idx, f"token {t}"
         for e, w in zip(got, np.array(weights[t]).tolist()):
-            assert abs(w - ref_w[e]) < 1e-6, f"token {t} expert {e}"
+            assert abs(w - ref_w[e]) < 1e-6, f"token {t} expert {e}"  # measured 1.5e-7: ~1 ulp of weights up to 2.4

@@ -217,8 +217,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         tools = _read_tools(args.tools) if args.tools else None
-        sampling = sampling_from_args(args)
         model, tokenizer = load_from_args(args)
+        sampling = sampling_from_args(args)
         session = ChatSession(
             model, tokenizer, system=args.system, tools=tools, thinking=args.think, thinking_effort=args.effort,
             chat_format=args.chat_format, max_tokens=args.max_tokens, max_kv_size=args.max_kv_size,

@@ -51,7 +51,8 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_from_args(args: argparse.Namespace) -> dict:
-    """Keyword arguments of ``stream_generate`` for the sampling flags (and seeds MLX's generator)."""
+    """Keyword arguments of ``stream_generate`` for the sampling flags; seeds MLX's generator, so call it after
+    loading (loading may draw random numbers) for ``--seed S`` to mean ``mx.random.seed(S)`` before generating."""
     if args.seed is not None:
         mx.random.seed(args.seed)
     return {"temp": args.temp, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
@@ -156,7 +157,6 @@ def run(args: argparse.Namespace) -> int:
     from ..prompt_cache import PromptCacheError
 
     try:
-        sampling = sampling_from_args(args)
         model, tokenizer = load_from_args(args, progress=not (args.quiet or args.json))
         tokens = _prompt_tokens(args, tokenizer)
         cache, feed = _prompt_cache(args, model, tokens) if args.prompt_cache else (None, tokens)
@@ -170,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
 
         fmt = args.chat_format or detect_chat_format(tokenizer)
         parser = ReplyParser(fmt, thinking=args.think)
+    sampling = sampling_from_args(args)
     tic = time.perf_counter()
     text, last, first_s = "", None, None
     for last in stream_generate(model, tokenizer, feed, args.max_tokens, stop_strings=args.stop, prompt_cache=cache,
