@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, chat, convert, fuse, generate, lora
+from . import bench, chat, convert, fuse, generate, lora, plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     lora.add_parser(commands)
     fuse.add_parser(commands)
     bench.add_parser(commands)
+    plan.add_parser(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 
