@@ -142,7 +142,12 @@ def demo_model_path() -> Path:
     if not (path / "config.json").exists():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         write_demo_model(tmp)
-        if path.exists():  # left by an interrupted earlier write
-            shutil.rmtree(path)
-        tmp.rename(path)
+        try:
+            tmp.rename(path)  # atomic: a complete model or nothing (several processes may race here)
+        except OSError:
+            if (path / "config.json").exists():  # another process (e.g. another rank) finished first: use its copy
+                shutil.rmtree(tmp)
+            else:  # an incomplete directory from elsewhere
+                shutil.rmtree(path)
+                tmp.rename(path)
     return path

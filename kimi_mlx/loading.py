@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
@@ -19,12 +20,16 @@ from mlx.utils import tree_flatten
 from .config import ConfigError, KimiConfig
 from .convert.gguf.arch import FLOAT_TYPES, build_config, decode_float, plan_tensors
 from .convert.gguf.quant import to_mlx
-from .convert.gguf.reader import GGUFFile, GGUFFormatError
+from .convert.gguf.reader import GGUFFile, GGUFFormatError, TensorInfo
 from .convert.gguf.tokenizer import load_gguf_tokenizer
 from .convert.hf import CheckpointError
 from .convert.writer import progress_bar
 from .models.kimi_k3 import K3Model
 from .models.kimi_linear import Model
+from .parallel import Select, Split, check_arguments, init_group, rank_share
+from .parallel.health import agree, fingerprint
+from .parallel.pipeline import layer_bytes
+from .parallel.watchdog import watch
 from .tokenizer import load_kimi_tokenizer
 
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
@@ -175,9 +180,13 @@ def quantize_model(model: nn.Module, spec: dict) -> None:
 
 
 def load_model(
-    path: Path, dtype: Optional[mx.Dtype] = None, quantize=None
+    path: Path, dtype: Optional[mx.Dtype] = None, quantize=None, lazy: bool = False
 ) -> tuple[Union[Model, K3Model], KimiConfig]:
-    """Build the model for ``path``'s config and load its weights (checked); see ``load``."""
+    """Build the model for ``path``'s config and load its weights (checked); see ``load``.
+
+    lazy: leave the weights unevaluated (nothing is read from the files yet: a later split of the model then reads
+    only the tensors it keeps).
+    """
     raw = _read_config(path)
     cfg = KimiConfig.from_hf(raw, source=str(path / "config.json"))
     spec = _quantization_spec(quantize)
@@ -202,7 +211,8 @@ def load_model(
     if spec is not None:
         quantize_model(model, spec)
     model.eval()
-    mx.eval(model.parameters())
+    if not lazy:
+        mx.eval(model.parameters())
     return model, cfg
 
 
@@ -213,9 +223,39 @@ def _cast(dtype: Optional[mx.Dtype], keep_float32, param: str, value: mx.array) 
     return value.astype(dtype) if keep_float32(param) or dtype == mx.float32 else value.astype(mx.float32)
 
 
+@dataclass
+class TensorRows:
+    """Rows ``rows`` of the outermost dimension of a GGUF tensor (e.g. some experts of a stacked ``*_exps`` tensor),
+    read as a slice of its mapped bytes: the other rows are never touched. Quantization blocks run along the last
+    dimension, so any outer row range is whole blocks. Stands in for the tensor's ``TensorInfo`` when decoding."""
+
+    info: TensorInfo
+    rows: range
+
+    def __post_init__(self):
+        n = self.info.shape[0] if len(self.info.shape) > 1 else 0
+        if self.rows.step != 1 or not 0 <= self.rows.start <= self.rows.stop <= n:
+            raise ValueError(f"tensor '{self.info.name}' {tuple(self.info.shape)}: cannot read rows {self.rows}; "
+                             f"expected a contiguous range within its outermost dimension (0..{n})")
+
+    name = property(lambda self: self.info.name)
+    qtype = property(lambda self: self.info.qtype)
+    type_name = property(lambda self: self.info.type_name)
+    file = property(lambda self: self.info.file)
+    shape = property(lambda self: (len(self.rows), *self.info.shape[1:]))
+
+    def raw(self):
+        data = self.info.raw()
+        per_row = data.nbytes // self.info.shape[0]
+        return data[self.rows.start * per_row : self.rows.stop * per_row]
+
+    def release(self) -> None:
+        self.info.release()
+
+
 def load_gguf_model(
     g: GGUFFile, dtype: Optional[mx.Dtype] = None, requantize: bool = False, keep_quantized: bool = True,
-    scale_dtype: mx.Dtype = mx.float32, progress: bool = False,
+    scale_dtype: mx.Dtype = mx.float32, progress: bool = False, select: Optional[Select] = None,
 ) -> tuple[Union[Model, K3Model], KimiConfig]:
     """Build the model for an open GGUF (single file or split set) and load its weights.
 
@@ -226,6 +266,10 @@ def load_gguf_model(
     (compact: Q4_K 5 instead of 6 bits per weight; one warning states the error bound per type).
     Each tensor's file pages are dropped from the resident set once copied, so peak RSS ~ the model's size.
     ``progress``: a bar over the tensor bytes on stderr.
+    ``select(param)`` (for one rank of a distributed model, see ``kimi_mlx.parallel``): False: the parameter is not
+    decoded at all (it keeps the built model's unevaluated placeholder, which the rank's split then drops); True:
+    whole; a ``range``: only those rows of its outermost dimension (the experts of a stacked
+    ``switch_mlp.{gate,up,down}_proj`` tensor) are read from the file, and the parameter holds just them.
     """
     cfg = build_config(g)
     model = (K3Model if cfg.is_k3 else Model)(cfg)
@@ -248,12 +292,31 @@ def load_gguf_model(
             info.release()
         decoded.clear()
 
+    def wanted(param: str):
+        return True if select is None else select(param)
+
+    direct = {}
+    for param, info in plan.direct.items():
+        rows = wanted(param)
+        if isinstance(rows, range):
+            direct[param] = TensorRows(info, rows)
+        elif rows:
+            direct[param] = info
+    built = {}
+    for param, build in plan.built.items():
+        rows = wanted(param)
+        if isinstance(rows, range):
+            raise ValueError(f"{g.source}: select({param!r}) asked for rows, but {param} is built from several GGUF "
+                             "tensors; rows can only be read from a stacked tensor taken as stored (routed experts)")
+        if rows:
+            built[param] = build
+
     weights: dict[str, mx.array] = {}
     qspecs: dict[str, dict] = {}
     inexact: dict[str, list] = {}  # GGML type -> [tensor count, max abs error] of layouts that are not bit-exact
-    bar = progress_bar(sum(i.raw().nbytes for i in g.tensors.values()), f"loading {Path(g.source).name}", "B",
-                       progress)
-    for param, info in plan.direct.items():
+    # the bar counts the tensors taken as stored (all but a few small ones: A_log, short convs, legacy kv_b)
+    bar = progress_bar(sum(i.raw().nbytes for i in direct.values()), f"loading {Path(g.source).name}", "B", progress)
+    for param, info in direct.items():
         bar.update(info.raw().nbytes)
         path = param.rsplit(".", 1)[0]
         module = modules.get(path)
@@ -277,27 +340,39 @@ def load_gguf_model(
             weights[param] = _cast(dtype, keep, param, mx.array(decode(info)))
         mx.eval(weights[param])
         release()
-    for param, build in plan.built.items():
+    for param, build in built.items():
         weights[param] = _cast(dtype, keep, param, mx.array(build(decode)))
         mx.eval(weights[param])
-        bar.update(sum(i.raw().nbytes for i in decoded))
         release()
     bar.close()
     for param, shape in plan.ones.items():
-        weights[param] = _cast(dtype, keep, param, mx.ones(shape))
+        if wanted(param):
+            weights[param] = _cast(dtype, keep, param, mx.ones(shape))
     if inexact:
         detail = ", ".join(f"{t}: {n} tensors, max abs error <= {e:.3g}" for t, (n, e) in sorted(inexact.items()))
         warnings.warn(f"{g.source}: not bit-exact in MLX ({detail}; scales {scale_dtype})", stacklevel=2)
     if qspecs:
         nn.quantize(model, class_predicate=lambda p, m: qspecs.get(p, False))
-    try:
-        check_weights(model, weights, g.source)
-    except CheckpointError as e:
-        raise GGUFFormatError(str(e)) from None
-    model.load_weights(list(weights.items()), strict=True)
+    if select is None:
+        try:
+            check_weights(model, weights, g.source)
+        except CheckpointError as e:
+            raise GGUFFormatError(str(e)) from None
+    model.load_weights(list(weights.items()), strict=select is None)  # plan_tensors checked every shape
     model.eval()
-    mx.eval(model.parameters())
+    mx.eval(weights)
     return model, cfg
+
+
+def _gguf_layer_bytes(g: GGUFFile, dtype, quantize, scale_dtype) -> list[int]:
+    """Bytes of each decoder layer of a GGUF as ``load`` will hold it (from the header: what ``kimi-mlx plan``
+    counts, so a memory-proportional pipeline split is the one it predicts)."""
+    from .parallel.plan import QuantSpec, account_gguf
+
+    spec = _quantization_spec(quantize)
+    names = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+    return account_gguf(g, dtype=names.get(dtype), quantize=spec and QuantSpec(**spec),
+                        scale_dtype=names[scale_dtype]).layer_bytes()
 
 
 def _read_config(path: Path) -> dict:
@@ -316,7 +391,8 @@ def _read_config(path: Path) -> dict:
 def load(
     path_or_hf_id: Union[str, Path], dtype: Optional[mx.Dtype] = None, quantize=None, requantize: bool = False,
     gguf_scale_dtype: mx.Dtype = mx.float32, adapter_path: Optional[Union[str, Path]] = None,
-    progress: bool = False,
+    progress: bool = False, parallel: Optional[str] = None, group: Optional[mx.distributed.Group] = None,
+    split: Split = None,
 ):
     """``(model, tokenizer)`` like ``mlx_lm.load``.
 
@@ -329,18 +405,50 @@ def load(
     adapter_path: a LoRA/DoRA adapter directory (``adapters.safetensors`` + ``adapter_config.json``, from
         ``kimi-mlx lora`` or ``mlx_lm.lora``) applied on top; an adapter for another model is an ``AdapterError``.
     progress: GGUF only: a progress bar over the tensor bytes on stderr.
+    parallel: None (one process), "pipeline" (each rank holds a contiguous range of layers) or "tensor" (heads,
+        widths and experts split across ranks); run every rank with ``mlx.launch``. On every rank ``model(inputs,
+        cache)`` returns the full logits and ``model.make_cache()`` the rank's part of the cache. Each rank reads
+        only the weights it keeps.
+    group: the ``mx.distributed`` group to split over (default ``mx.distributed.init()``); a group of size 1 loads
+        the plain single-process model.
+    split: pipeline only: None (layers in proportion to each rank's memory), "even", or layer counts per rank
+        (``[20, 7]`` or ``"20,7"``).
     """
+    check_arguments(parallel, group, split)
+    if parallel is not None and adapter_path is not None:
+        raise ValueError(f"adapter_path={str(adapter_path)!r} with parallel={parallel!r} is not supported; merge the "
+                         "adapter first (kimi-mlx fuse --model ... --adapter-path ... --save-path DIR) and load DIR")
+    group = init_group(parallel, group)
+    watch(group)  # from here on, a rank that is lost ends the others (no-op for one process)
     if str(path_or_hf_id).endswith(".gguf"):  # one GGUF, or any shard of a -0000k-of-0000N.gguf split set
-        gguf_file = GGUFFile(Path(path_or_hf_id).expanduser())
-        tokenizer = load_gguf_tokenizer(gguf_file)  # validates the tokenizer metadata before any weight is read
-        model, _ = load_gguf_model(gguf_file, dtype=dtype, requantize=requantize, scale_dtype=gguf_scale_dtype,
-                                   progress=progress)
-        if quantize is not None and quantize is not False:
-            quantize_model(model, _quantization_spec(quantize))
+        with agree(group, "opening the model") as step:
+            gguf_file = GGUFFile(Path(path_or_hf_id).expanduser())
+            tokenizer = load_gguf_tokenizer(gguf_file)  # validates the tokenizer metadata before any weight is read
+            cfg = build_config(gguf_file)
+            costs = _gguf_layer_bytes(gguf_file, dtype, quantize, gguf_scale_dtype) if parallel == "pipeline" else []
+            step.fingerprint = fingerprint(gguf_file.values, [(n, i.shape, i.type_name) for n, i in
+                                                              gguf_file.tensors.items()], gguf_file.files)
+        share = rank_share(parallel, group, split, cfg, costs)
+        with agree(group, "loading the weights"):
+            model, _ = load_gguf_model(gguf_file, dtype=dtype, requantize=requantize, scale_dtype=gguf_scale_dtype,
+                                       progress=progress, select=None if share is None else share.select)
+            if share is not None:
+                model = share.apply(model)
+            if quantize is not None and quantize is not False:
+                quantize_model(model, _quantization_spec(quantize))
         return _with_adapters(model, adapter_path), tokenizer
-    path = resolve_model_path(path_or_hf_id)
-    model, _ = load_model(path, dtype=dtype, quantize=quantize)
-    return _with_adapters(model, adapter_path), load_kimi_tokenizer(path)
+    with agree(group, "opening the model") as step:
+        path = resolve_model_path(path_or_hf_id)
+        model, cfg = load_model(path, dtype=dtype, quantize=quantize, lazy=True)
+        tokenizer = load_kimi_tokenizer(path)
+        step.fingerprint = fingerprint(_read_config(path), [(k, v.shape, v.dtype) for k, v in
+                                                            tree_flatten(model.parameters())], _safetensors_files(path))
+    share = rank_share(parallel, group, split, cfg, layer_bytes(model))
+    with agree(group, "loading the weights"):
+        if share is not None:
+            model = share.apply(model)  # before evaluating: only the rank's weights are read
+        mx.eval(model.parameters())
+    return _with_adapters(model, adapter_path), tokenizer
 
 
 def _with_adapters(model: nn.Module, adapter_path: Optional[Union[str, Path]]) -> nn.Module:

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -63,6 +64,20 @@ def launch_command(n: int, tmp_path: Path, *command: str) -> list[str]:
     return [launcher, "-n", str(n), "--backend", "ring", "-p", str(_free_port_base(n)), "--", str(pin), *command]
 
 
+def _run_group(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; on timeout kill the whole group (the launcher and every rank: killing
+    ``mlx.launch`` alone leaves ranks that wait on each other running), then raise ``TimeoutExpired``."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_ranks(code: str, n: int, tmp_path: Path, args=(), timeout: float = 300, check: bool = True):
     """Run ``code`` on ``n`` ranks; return each rank's ``report``ed value (``check=False``: the CompletedProcess)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -70,7 +85,7 @@ def run_ranks(code: str, n: int, tmp_path: Path, args=(), timeout: float = 300, 
     script.write_text(PREAMBLE + textwrap.dedent(code))
     env = dict(os.environ, KIMI_RANK_OUT=str(tmp_path))
     cmd = launch_command(n, tmp_path, sys.executable, str(script), *map(str, args))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    proc = _run_group(cmd, timeout, env=env, cwd=tmp_path)
     if not check:
         return proc
     # mlx.launch exits 0 even when a rank fails (it only warns "Node with rank R exited with code C")

@@ -6,6 +6,10 @@
 
 Writes ``adapters.safetensors`` + ``adapter_config.json`` (mlx-lm's format), ``metrics.jsonl`` and
 ``loss_curve.png`` into ``--adapter-path``.
+
+Under ``mlx.launch`` (``mlx.launch -n 2 -- kimi-mlx lora ...``, or ``--hosts mac1,mac2``) it trains data-parallel
+over the launched ranks: ``--batch-size`` is the global batch, split evenly over them; rank 0 prints and writes the
+files, the other ranks are silent except for errors.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from .generate import DTYPES
+from .ranks import rank_zero_output
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
 SCHEDULES = ("cosine_decay", "linear_schedule", "exponential_decay", "step_decay")
@@ -148,7 +154,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--dropout must be in [0, 1)")
 
 
-def train_adapters(args: argparse.Namespace, model, sets) -> None:
+def train_adapters(args: argparse.Namespace, model, sets, group: mx.distributed.Group) -> None:
     from mlx.utils import tree_flatten
     from mlx_lm.tuner.trainer import TrainingArgs
 
@@ -178,7 +184,6 @@ def train_adapters(args: argparse.Namespace, model, sets) -> None:
         load_adapter_weights(model, Path(args.resume_adapter_file))
         print(f"Loaded adapter weights from {args.resume_adapter_file}")
     adapter_dir = Path(args.adapter_path)
-    adapter_dir.mkdir(parents=True, exist_ok=True)
     config = adapter_config(
         model,
         paths,
@@ -194,13 +199,20 @@ def train_adapters(args: argparse.Namespace, model, sets) -> None:
         max_seq_length=args.max_seq_length,
         seed=args.seed,
     )
-    (adapter_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    if group.rank() == 0:
+        adapter_dir.mkdir(parents=True, exist_ok=True)
+        (adapter_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     total = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(
         f"Trainable parameters: {100 * trainable / total:.3f}% ({trainable / 1e6:.3f}M/{total / 1e6:.3f}M) "
         f"in {len(paths)} {args.fine_tune_type} adapters (rank {args.rank}, scale {scale:g})"
     )
+    if group.size() > 1:
+        print(
+            f"Data-parallel training on {group.size()} ranks: global batch {args.batch_size}, "
+            f"{args.batch_size // group.size()} per rank, gradients averaged across ranks (weighted by loss tokens)"
+        )
     train_args = TrainingArgs(
         batch_size=args.batch_size,
         iters=args.iters,
@@ -222,46 +234,57 @@ def train_adapters(args: argparse.Namespace, model, sets) -> None:
         adapter_dir,
         seed=args.seed,
         progress=not args.quiet,
+        group=group,
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data import DEMO_DATA
-    from ..loading import load
-    from ..tuner.adapters import load_adapters
-    from ..tuner.datasets import load_datasets
+    from ..tuner.trainer import check_batch_size
 
+    group = mx.distributed.init()
     try:
         check_args(args)
-        mx.random.seed(args.seed)
-        quantize = None if args.quantize is None else {"bits": args.quantize, "group_size": args.q_group_size}
-        print("Loading pretrained model")
-        model, tokenizer = load(args.model, dtype=DTYPES.get(args.dtype), quantize=quantize)
-        print("Loading datasets")
-        data = DEMO_DATA if args.data == "demo" else args.data
-        sets = load_datasets(data, tokenizer, mask_prompt=args.mask_prompt, split=args.split, seed=args.seed)
-        if args.train:
-            if sets.get("train") is None:
-                raise ValueError(f"--data {args.data}: no train.jsonl (needed for --train)")
-            if sets.get("valid") is None:
-                print("Warning: no validation set; training without validation.", file=sys.stderr)
-            print("Training")
-            train_adapters(args, model, sets)
-        elif args.adapter_path:
-            load_adapters(model, args.adapter_path)
-        if args.test:
-            from mlx_lm.tuner.trainer import evaluate
-
-            if sets.get("test") is None:
-                raise ValueError(f"--data {args.data}: no test split (needed for --test)")
-            if len(sets["test"]) < args.batch_size:
-                raise ValueError(f"{sets['test'].source}: fewer records than --batch-size {args.batch_size}")
-            print("Testing")
-            test_loss = evaluate(
-                model, sets["test"].tokenized(), args.batch_size, args.test_batches, args.max_seq_length
-            )
-            print(f"Test loss {test_loss:.3f}, Test ppl {math.exp(test_loss):.3f}.")
+        check_batch_size(args.batch_size, group)
+        with rank_zero_output(group):
+            train_and_test(args, group)
     except (OSError, ValueError) as e:
         print(f"kimi-mlx: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def train_and_test(args: argparse.Namespace, group: mx.distributed.Group) -> None:
+    """Load the model and data, then train and / or test; every rank of ``group`` runs this."""
+    from ..data import DEMO_DATA
+    from ..loading import load
+    from ..tuner.adapters import load_adapters
+    from ..tuner.datasets import load_datasets
+    from ..tuner.trainer import evaluate
+
+    mx.random.seed(args.seed)
+    np.random.seed(args.seed)  # the batches drawn for validation and --test (the same on every rank)
+    quantize = None if args.quantize is None else {"bits": args.quantize, "group_size": args.q_group_size}
+    print("Loading pretrained model")
+    model, tokenizer = load(args.model, dtype=DTYPES.get(args.dtype), quantize=quantize)
+    print("Loading datasets")
+    data = DEMO_DATA if args.data == "demo" else args.data
+    sets = load_datasets(data, tokenizer, mask_prompt=args.mask_prompt, split=args.split, seed=args.seed)
+    if args.train:
+        if sets.get("train") is None:
+            raise ValueError(f"--data {args.data}: no train.jsonl (needed for --train)")
+        if sets.get("valid") is None and group.rank() == 0:
+            print("Warning: no validation set; training without validation.", file=sys.stderr)
+        print("Training")
+        train_adapters(args, model, sets, group)
+    elif args.adapter_path:
+        load_adapters(model, args.adapter_path)
+    if args.test:
+        if sets.get("test") is None:
+            raise ValueError(f"--data {args.data}: no test split (needed for --test)")
+        if len(sets["test"]) < args.batch_size:
+            raise ValueError(f"{sets['test'].source}: fewer records than --batch-size {args.batch_size}")
+        print("Testing")
+        test_loss = evaluate(
+            model, sets["test"].tokenized(), args.batch_size, args.test_batches, args.max_seq_length, group=group
+        )
+        print(f"Test loss {test_loss:.3f}, Test ppl {math.exp(test_loss):.3f}.")

@@ -225,13 +225,17 @@ class SparseMoE(nn.Module):
                 cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts, make_activation(cfg)
             )
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def routing(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """x [..., hidden] -> (expert indices [..., k] uint32, routing weights [..., k] float32)."""
         c = self.cfg
-        inds, weights = _route_compiled(
+        return _route_compiled(
             self.gate(x.astype(mx.float32)), self.e_score_correction_bias, c.num_experts_per_token,
             c.num_expert_group if c.use_grouped_topk else 1, c.topk_group, c.moe_renormalize,
             c.routed_scaling_factor,
         )
+
+    def __call__(self, x: mx.array) -> mx.array:
+        inds, weights = self.routing(x)
         z = self.routed_expert_down_proj(x) if "routed_expert_down_proj" in self else x
         y = switch_glu(self.switch_mlp, z, inds)  # [..., k, width]
         y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)

@@ -482,7 +482,7 @@ def checkpoint_tensor_names(path: Path) -> Optional[set[str]]:
     return names
 
 
-def account_gguf(path: Union[str, Path], dtype: Optional[str] = None, quantize: Optional[QuantSpec] = None,
+def account_gguf(path, dtype: Optional[str] = None, quantize: Optional[QuantSpec] = None,
                  scale_dtype: str = "float32", requantize: bool = True) -> Accounting:
     """Bytes as ``load`` holds a GGUF file or split set, from its header only (no tensor data is read).
 
@@ -495,7 +495,7 @@ def account_gguf(path: Union[str, Path], dtype: Optional[str] = None, quantize: 
     from ..convert.gguf.arch import FLOAT_TYPES, build_config, plan_tensors
     from ..convert.gguf.reader import GGUFFile
 
-    g = GGUFFile(Path(path).expanduser())
+    g = path if isinstance(path, GGUFFile) else GGUFFile(Path(path).expanduser())
     cfg = build_config(g)
     params = parameters(cfg)
     plan = plan_tensors(g, cfg, {p.name: p.shape for p in params})
@@ -506,7 +506,7 @@ def account_gguf(path: Union[str, Path], dtype: Optional[str] = None, quantize: 
             continue  # decoded to float
         block, per_block, group, label = _gguf_block_layout(int(info.qtype), scale_dtype, requantize)
         stored[name] = Stored(math.prod(info.shape) // block * per_block, group, f"{info.type_name} -> {label}")
-    return _account(cfg, dtype or "float32", quantize, stored, str(path))
+    return _account(cfg, dtype or "float32", quantize, stored, g.source)
 
 
 @functools.lru_cache(maxsize=None)

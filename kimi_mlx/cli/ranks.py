@@ -1,0 +1,101 @@
+"""Rank-0 input and output for commands run on every rank of ``mlx.launch ... -- kimi-mlx CMD --parallel MODE``.
+
+Rank 0 reads the input (a prompt, chat lines) and hands it to the other ranks with ``broadcast_text``; only rank 0
+prints (``rank_zero_output`` discards the others' stdout); sampling draws the same tokens everywhere because every
+rank seeds MLX's generator with one seed (``shared_seed``: rank 0's pick unless ``--seed`` is given). Collectives go
+through ``kimi_mlx.parallel.comm`` like every other collective of the process, in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from contextlib import contextmanager, redirect_stdout
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..parallel import MODES, comm
+
+EOF = -1  # broadcast_text's length for "no text" (end of input)
+
+
+def group_from_args(args: argparse.Namespace) -> Optional[mx.distributed.Group]:
+    """The group for ``--parallel`` (``mx.distributed.init()``), None without it (one process: today's behaviour,
+    also under ``mlx.launch``). Checks ``--parallel`` / ``--split`` first (ValueError naming the flag)."""
+    if args.parallel is None:
+        if args.split is not None:
+            raise ValueError(f"--split {args.split}: only --parallel pipeline takes a split")
+        return None
+    if args.parallel not in MODES:
+        raise ValueError(f"--parallel {args.parallel}: expected one of {', '.join(MODES)}")
+    if args.split is not None:
+        if args.parallel != "pipeline":
+            raise ValueError(f"--split {args.split}: only --parallel pipeline takes a split")
+        parts = args.split.split(",")
+        if args.split != "even" and not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--split {args.split}: expected 'even' or positive layer counts per rank such as "
+                             "'20,7'")
+    return mx.distributed.init()
+
+
+def rank(group: Optional[mx.distributed.Group]) -> int:
+    return 0 if group is None else group.rank()
+
+
+def is_parallel(group: Optional[mx.distributed.Group]) -> bool:
+    return group is not None and group.size() > 1
+
+
+@contextmanager
+def rank_zero_output(group: Optional[mx.distributed.Group]):
+    """stdout as is on rank 0 (and for no group); discarded on the other ranks (their errors still reach stderr)."""
+    if rank(group) == 0:
+        yield
+        return
+    with open(os.devnull, "w") as sink, redirect_stdout(sink):
+        yield
+
+
+def report_error(e: BaseException, group: Optional[mx.distributed.Group]) -> int:
+    """Print ``kimi-mlx: error: ...`` and return 2. A ``RankError`` was printed by rank 0 already (silent here);
+    other ranks name themselves (an error of theirs may be theirs alone)."""
+    from ..parallel.health import RankError
+
+    if isinstance(e, RankError):
+        return 2
+    where = f"rank {group.rank()}: " if rank(group) else ""
+    print(f"kimi-mlx: error: {where}{e}", file=sys.stderr, flush=True)
+    return 2
+
+
+def broadcast_int(value: Optional[int], group: mx.distributed.Group) -> int:
+    """Rank 0's ``value`` on every rank (the others pass anything, e.g. None)."""
+    mine = int(value) if group.rank() == 0 else 0
+    return int(comm.all_sum(mx.array([mine], dtype=mx.int64), group).item())
+
+
+def broadcast_text(text: Optional[str], group: mx.distributed.Group) -> Optional[str]:
+    """Rank 0's ``text`` (None: end of input) on every rank: its UTF-8 length (``EOF`` for None), then its bytes,
+    each as an ``all_sum`` to which the other ranks add zeros. Every rank must call it (the others' ``text`` is
+    ignored)."""
+    data = text.encode("utf-8") if group.rank() == 0 and text is not None else b""
+    n = broadcast_int(EOF if group.rank() == 0 and text is None else len(data), group)
+    if n == EOF:
+        return None
+    if n == 0:
+        return ""
+    mine = np.frombuffer(data, np.uint8).astype(np.int32) if group.rank() == 0 else np.zeros(n, np.int32)
+    out = np.array(comm.all_sum(mx.array(mine), group))
+    return out.astype(np.uint8).tobytes().decode("utf-8")
+
+
+def shared_seed(seed: Optional[int], group: mx.distributed.Group) -> int:
+    """``seed`` if given (the same on every rank: the same command line), else one that rank 0 picks at random,
+    on every rank."""
+    if seed is not None:
+        return seed
+    pick = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF if group.rank() == 0 else 0
+    return broadcast_int(pick, group)

@@ -1,0 +1,64 @@
+"""Every collective of a distributed model goes through here: one stream (so every rank runs them in the order they
+were scheduled) and a count of the bytes each rank sends (``TRAFFIC``, read by ``bench/bench_distributed.py``).
+
+Counts are taken where the collective is scheduled (its payload size), per kind: ``all_sum`` and ``all_gather``
+count this rank's contribution, ``send`` the message, ``recv`` the message received.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import mlx.core as mx
+
+
+@functools.cache
+def comm_stream() -> mx.Stream:
+    """The one CPU stream that every collective of this process runs on (send, recv, all_sum, all_gather).
+
+    MLX runs a collective on the caller's stream, and mlx-lm's ``generate_step`` works on its own generation stream
+    while other calls use the default one: collectives on two streams may run in a different order on each rank
+    (a hang or mixed-up messages). On one stream they run in the order they were scheduled, the same on every rank.
+    """
+    return mx.new_stream(mx.cpu)
+
+
+class Traffic:
+    """Bytes and calls per collective kind since the last ``reset`` (this process only)."""
+
+    def __init__(self):
+        self.bytes: Counter = Counter()
+        self.calls: Counter = Counter()
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += nbytes
+        self.calls[kind] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+TRAFFIC = Traffic()
+
+
+def all_sum(x: mx.array, group: mx.distributed.Group) -> mx.array:
+    TRAFFIC.add("all_sum", x.nbytes)
+    return mx.distributed.all_sum(x, group=group, stream=comm_stream())
+
+
+def all_gather(x: mx.array, group: mx.distributed.Group) -> mx.array:
+    TRAFFIC.add("all_gather", x.nbytes)
+    return mx.distributed.all_gather(x, group=group, stream=comm_stream())
+
+
+def send(x: mx.array, dst: int, group: mx.distributed.Group) -> mx.array:
+    TRAFFIC.add("send", x.nbytes)
+    return mx.distributed.send(x, dst, group=group, stream=comm_stream())
+
+
+def recv(shape: tuple, dtype: mx.Dtype, src: int, group: mx.distributed.Group) -> mx.array:
+    out = mx.distributed.recv(shape, dtype, src, group=group, stream=comm_stream())
+    TRAFFIC.add("recv", out.nbytes)
+    return out

@@ -1,0 +1,382 @@
+"""Tensor + expert parallelism as module swaps on a built model: ``tensor_parallel(model, group)``.
+
+Each rank keeps its ``TensorShare`` (``plan.tensor_shares``) of every layer and computes that part of each block:
+
+- KDA: its heads: rows of q/k/v (or the three segments of a fused ``qkv_proj``), of the short conv, ``f_b_proj``,
+  ``b_proj`` and the output gate (``g_proj`` or ``g_b_proj``), and of ``A_log`` / ``dt_bias``; ``f_a_proj``,
+  ``g_a_proj`` and ``o_norm`` (per head_dim) stay whole. Its cache holds the conv and recurrent state of these heads
+  only (the layer sizes them from the module's head count).
+- MLA: its heads: rows of ``q_proj`` / ``q_b_proj`` and ``g_proj``, the heads' slices of ``embed_q`` /
+  ``unembed_out``; ``kv_a_proj_with_mqa``, its norm and hence the latent cache stay whole on every rank.
+- dense MLP and shared experts: a column range of the intermediate width (gate/up rows, down_proj columns).
+- routed experts: its experts, whole (quantized stacks are cut on the expert axis, so quantization groups never need
+  to divide); the router stays whole and slots routed to other ranks' experts add zero.
+
+Output projections keep the matching input columns, and the ranks' partial outputs are summed with one ``all_sum``
+per attention block and one per MLP / MoE block, so every rank carries the full hidden state and computes the full
+logits (embeddings, norms, AttnRes, router and head are replicated). A rank holding no part of a block (more ranks
+than heads or width units) adds zeros to that block's sum.
+
+The sums of one model run in the order they are made, on every rank (``OrderedSum``).
+
+Parameters are cut with lazy slices and copied (``mx.contiguous``): on a model whose weights are not evaluated yet,
+only this rank's share is ever kept. ``tensor_select`` tells a GGUF reader which expert rows this rank decodes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+from ..config import KimiConfig
+from ..layers.kda import KimiDeltaAttention
+from ..layers.mla import KimiMLA
+from ..layers.moe import MLP, SORTED_MIN_PAIRS, SparseMoE, switch_glu
+from . import comm
+from .plan import TensorShare, tensor_shares
+
+__all__ = ["tensor_parallel", "shard_model", "tensor_select", "width_unit"]
+
+# Layers whose every parameter has the output rows (or heads, or experts) on axis 0.
+_ROW_LAYERS = (nn.Linear, nn.QuantizedLinear, MultiLinear, QuantizedMultiLinear, SwitchLinear, QuantizedSwitchLinear)
+_EXPERT_PARAM = re.compile(r"\.switch_mlp\.(gate|up|down)_proj\.(weight|scales|biases)$")
+
+
+def tensor_parallel(model: nn.Module, group: mx.distributed.Group = None) -> nn.Module:
+    """Shard ``model`` (Kimi Linear or K3, built, weights lazy or evaluated) in place for this rank of ``group``.
+
+    ``group`` defaults to ``mx.distributed.init()``; a group of size 1 leaves the model unchanged. Intermediate widths
+    are split on the quantization group size of the layers cut by column (``width_unit``). Returns the model.
+    """
+    group = group or mx.distributed.init()
+    if group.size() == 1:
+        return model
+    share = tensor_shares(model.args, group.size(), width_unit(model))[group.rank()]
+    return shard_model(model, share, group)
+
+
+def shard_model(model: nn.Module, share: TensorShare, group: mx.distributed.Group) -> nn.Module:
+    """Keep ``share`` of every layer of ``model`` (in place) and sum the blocks' outputs over ``group``."""
+    cfg: KimiConfig = model.args
+    psum = OrderedSum(group)
+    for i, layer in enumerate(model.layers):
+        name = f"layers.{i}"
+        if layer.is_linear:
+            layer.self_attn = _shard_kda(layer.self_attn, share.kda_heads, cfg, psum, f"{name}.self_attn")
+        else:
+            layer.self_attn = _shard_mla(layer.self_attn, share.mla_heads, cfg, psum, f"{name}.self_attn")
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp = _shard_moe(layer.mlp, share, cfg, psum, f"{name}.mlp")
+        else:
+            layer.mlp = _shard_dense(layer.mlp, share.ffn, cfg.intermediate_size, psum, f"{name}.mlp")
+    return model
+
+
+def tensor_select(cfg: KimiConfig, group: mx.distributed.Group = None) -> Callable[[str], Union[bool, range]]:
+    """The GGUF reader's ``select(param) -> True | range`` for this rank: stacked routed-expert parameters
+    (``...switch_mlp.{gate,up,down}_proj.{weight,scales,biases}``) -> this rank's expert rows, anything else -> True
+    (read whole; ``tensor_parallel`` cuts it). ``tensor_parallel`` keeps expert stacks already read this way."""
+    group = group or mx.distributed.init()
+    experts = tensor_shares(cfg, group.size())[group.rank()].experts
+    return lambda param: experts if _EXPERT_PARAM.search(param) else True
+
+
+def width_unit(model: nn.Module) -> int:
+    """Unit on which intermediate widths are split: the least common multiple of the quantization group sizes of the
+    dense MLP and shared-expert projections, 1 when none is quantized. Only ``down_proj`` (cut by column) needs it;
+    counting gate/up too keeps it equal to the planner's ``Accounting.split_unit`` (group sizes are powers of 2)."""
+    sizes = [
+        proj.group_size
+        for layer in model.layers
+        for mlp in (layer.mlp, layer.mlp.get("shared_experts"))
+        if isinstance(mlp, MLP)
+        for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if isinstance(proj, nn.QuantizedLinear)
+    ]
+    return math.lcm(1, *sizes)
+
+
+# --- cutting parameters ------------------------------------------------------------------------------------------
+
+
+def _scaled(r: range, k: int) -> range:
+    """Item range -> the range of their k-wide blocks (heads -> head_dim columns)."""
+    return range(r.start * k, r.stop * k)
+
+
+def _take(a: mx.array, ranges: Sequence[range], total: int, name: str) -> mx.array:
+    """Rows ``ranges`` of ``a`` ([total, ...]), concatenated, as a copy (the full array can then be freed)."""
+    if a.shape[0] != total:
+        raise ValueError(f"{name}: expected {total} rows on axis 0, got shape {tuple(a.shape)}")
+    parts = [a[r.start : r.stop] for r in ranges]
+    return mx.contiguous(mx.concatenate(parts) if len(parts) > 1 else parts[0])
+
+
+def _rows(layer: nn.Module, ranges: Sequence[range], total: int, name: str) -> nn.Module:
+    """``layer`` (in place) keeping its output rows / heads / experts ``ranges`` of ``total`` (axis 0 of every
+    parameter: weight, scales, biases, bias)."""
+    if type(layer) not in _ROW_LAYERS:
+        raise TypeError(f"{name}: cannot shard a {type(layer).__name__} (expected a plain or quantized Linear, "
+                        "MultiLinear or SwitchLinear)")
+    for key, a in layer.parameters().items():
+        layer[key] = _take(a, ranges, total, f"{name}.{key}")
+    return layer
+
+
+def _cols(layer: nn.Module, cols: range, total: int, name: str) -> nn.Module:
+    """``layer`` (in place) keeping input columns ``cols`` of ``total``: weight [out, total] (quantized: packed
+    weight [out, total * bits / 32], scales / biases [out, total / group_size]), cut on group boundaries."""
+    if type(layer) not in (nn.Linear, nn.QuantizedLinear):
+        raise TypeError(f"{name}: cannot shard a {type(layer).__name__} by column "
+                        "(expected a plain or quantized Linear)")
+    if "bias" in layer:
+        raise ValueError(f"{name}: has a bias, which every rank would add to the summed output")
+    quantized = type(layer) is nn.QuantizedLinear
+    unit = layer.group_size if quantized else 1
+    width = layer.scales.shape[-1] * unit if quantized else layer.weight.shape[-1]
+    if width != total:
+        raise ValueError(f"{name}: expected {total} input columns, got {width} "
+                         f"(weight shape {tuple(layer.weight.shape)})")
+    if cols.start % unit or cols.stop % unit:
+        raise ValueError(f"{name}: columns {cols.start}:{cols.stop} do not fall on quantization group boundaries "
+                         f"(group size {unit})")
+    for key, a in layer.parameters().items():
+        per = a.shape[-1]  # packed words / groups / columns spanning all ``total`` columns
+        layer[key] = mx.contiguous(a[:, cols.start * per // total : cols.stop * per // total])
+    return layer
+
+
+# --- summing over ranks --------------------------------------------------------------------------------------------
+
+
+class OrderedSum:
+    """``all_sum`` over ``group`` of arrays of the same shape on every rank, run in the order of the calls.
+
+    MLX runs a lazy graph in an order of its own, and the ranks' graphs differ (a rank holding no heads sums zeros
+    that depend on nothing; a cache can hold updates of a forward that was never evaluated, pulled in later), so two
+    independent sums could run in different orders on two ranks and be paired wrongly. Each sum here depends on the
+    previous one: they form one chain, made by the same code in the same order on every rank.
+    """
+
+    def __init__(self, group: mx.distributed.Group):
+        self.group = group
+        self.last = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.last is not None:
+            x = mx.depends(x, self.last)
+        self.last = comm.all_sum(x, self.group)
+        return self.last
+
+
+def _recast(module: nn.Module, cls: type, **attrs) -> nn.Module:
+    """A shallow copy of ``module`` as its subclass ``cls`` (same children and parameters at the same paths, only
+    the forward differs), with ``attrs`` set."""
+    new = cls.__new__(cls)
+    dict.update(new, module)
+    new.__dict__.update(module.__dict__, **attrs)
+    return new
+
+
+class SumLinear(nn.Linear):
+    """``nn.Linear`` over this rank's input columns; the ranks' partial outputs are summed (``all_sum``: an
+    ``OrderedSum``)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.all_sum(super().__call__(x))
+
+
+class SumQuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` over this rank's input columns; the ranks' partial outputs are summed."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.all_sum(super().__call__(x))
+
+
+def _summed(layer: nn.Module, psum: OrderedSum) -> nn.Module:
+    cls = SumQuantizedLinear if type(layer) is nn.QuantizedLinear else SumLinear
+    return _recast(layer, cls, all_sum=psum)
+
+
+# --- blocks ------------------------------------------------------------------------------------------------------
+
+
+class IdleMLP(nn.Module):
+    """An MLP block of which this rank holds nothing: adds zeros to the block's all_sum ([B, T, hidden])."""
+
+    def __init__(self, psum: OrderedSum):
+        super().__init__()
+        self.all_sum = psum
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.all_sum(mx.zeros_like(x))
+
+
+class IdleKDA(nn.Module):
+    """KDA on a rank holding none of its heads: adds zeros to the block's all_sum; its cache holds the states of zero
+    heads (conv [B, K-1, 0], recurrent [B, 0, D, D]), made to depend on the layer input as every rank's states do, so
+    evaluating the cache (a checkpoint) runs the same sums on every rank."""
+
+    def __init__(self, attn: KimiDeltaAttention, psum: OrderedSum):
+        super().__init__()
+        self.conv_kernel, self.head_dim = attn.conv_kernel, attn.head_dim
+        self.all_sum = psum
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if cache is not None:
+            B, D = x.shape[0], self.head_dim
+            cache.conv_state = mx.depends(mx.zeros((B, self.conv_kernel - 1, 0), x.dtype), x)
+            cache.recurrent_state = mx.depends(mx.zeros((B, 0, D, D), mx.float32), x)
+            cache.advance(x.shape[1])
+        return self.all_sum(mx.zeros_like(x))
+
+
+class IdleMLA(nn.Module):
+    """MLA on a rank holding none of its heads: keeps the latent cache whole and in step like every rank (so cache
+    offsets, trims and checkpoints agree) and adds zeros to the block's all_sum."""
+
+    def __init__(self, attn: KimiMLA, psum: OrderedSum):
+        super().__init__()
+        self.kv_a_proj_with_mqa = attn.kv_a_proj_with_mqa
+        self.kv_a_layernorm = attn.kv_a_layernorm
+        self.kv_lora_rank = attn.rank
+        self.all_sum = psum
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        out = mx.zeros_like(x)
+        if cache is not None:
+            kv_latent, k_pe = mx.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank], axis=-1)
+            kept = cache.update_and_fetch(self.kv_a_layernorm(kv_latent)[:, None], k_pe[:, None])
+            out = mx.depends(out, list(kept))  # evaluating the output evaluates the cache update
+        return self.all_sum(out)
+
+
+def _shard_kda(attn: KimiDeltaAttention, heads: range, cfg: KimiConfig, psum: OrderedSum, name: str) -> nn.Module:
+    if not heads:
+        return IdleKDA(attn, psum)
+    H, D = cfg.kda_num_heads, cfg.kda_head_dim
+    P = H * D
+    cols = _scaled(heads, D)
+    qkv = [range(s * P + cols.start, s * P + cols.stop) for s in range(3)]  # the heads in each of q | k | v
+    if "qkv_proj" in attn:
+        attn.qkv_proj = _rows(attn.qkv_proj, qkv, 3 * P, f"{name}.qkv_proj")
+    else:
+        for p in ("q_proj", "k_proj", "v_proj"):
+            attn[p] = _rows(attn[p], [cols], P, f"{name}.{p}")
+    attn.qkv_conv.weight = _take(attn.qkv_conv.weight, qkv, 3 * P, f"{name}.qkv_conv.weight")
+    attn.f_b_proj = _rows(attn.f_b_proj, [cols], P, f"{name}.f_b_proj")
+    attn.b_proj = _rows(attn.b_proj, [heads], H, f"{name}.b_proj")
+    gate = "g_proj" if "g_proj" in attn else "g_b_proj"
+    attn[gate] = _rows(attn[gate], [cols], P, f"{name}.{gate}")
+    attn.A_log = _take(attn.A_log, [heads], H, f"{name}.A_log")
+    attn.dt_bias = _take(attn.dt_bias, [cols], P, f"{name}.dt_bias")
+    attn.o_proj = _summed(_cols(attn.o_proj, cols, P, f"{name}.o_proj"), psum)
+    attn.num_heads = len(heads)
+    return attn
+
+
+def _shard_mla(attn: KimiMLA, heads: range, cfg: KimiConfig, psum: OrderedSum, name: str) -> nn.Module:
+    if not heads:
+        return IdleMLA(attn, psum)
+    H, qk, v = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    q = "q_proj" if "q_proj" in attn else "q_b_proj"
+    attn[q] = _rows(attn[q], [_scaled(heads, qk)], H * qk, f"{name}.{q}")
+    for p in ("embed_q", "unembed_out"):
+        attn[p] = _rows(attn[p], [heads], H, f"{name}.{p}")
+    if "g_proj" in attn:
+        attn.g_proj = _rows(attn.g_proj, [_scaled(heads, v)], H * v, f"{name}.g_proj")
+    attn.o_proj = _summed(_cols(attn.o_proj, _scaled(heads, v), H * v, f"{name}.o_proj"), psum)
+    attn.num_heads = len(heads)
+    return attn
+
+
+def _split_mlp(mlp: MLP, cols: range, total: int, name: str) -> MLP:
+    """``mlp`` (in place) computing the intermediate columns ``cols`` of ``total``: a partial output to be summed."""
+    for p in ("gate_proj", "up_proj"):
+        mlp[p] = _rows(mlp[p], [cols], total, f"{name}.{p}")
+    mlp.down_proj = _cols(mlp.down_proj, cols, total, f"{name}.down_proj")
+    return mlp
+
+
+def _shard_dense(mlp: MLP, cols: range, width: int, psum: OrderedSum, name: str) -> nn.Module:
+    if not cols:
+        return IdleMLP(psum)
+    mlp = _split_mlp(mlp, cols, width, name)
+    mlp.down_proj = _summed(mlp.down_proj, psum)
+    return mlp
+
+
+def _shard_moe(moe: SparseMoE, share: TensorShare, cfg: KimiConfig, psum: OrderedSum, name: str) -> SparseMoE:
+    experts = share.experts
+    for p in ("gate_proj", "up_proj", "down_proj"):
+        stack = moe.switch_mlp[p]
+        held = type(stack) in _ROW_LAYERS and stack.weight.shape[0] == len(experts)  # read so (``tensor_select``)
+        if not held:
+            moe.switch_mlp[p] = _rows(stack, [experts], cfg.num_experts, f"{name}.switch_mlp.{p}")
+    if "shared_experts" in moe:
+        if share.shared:
+            width = cfg.moe_intermediate_size * cfg.num_shared_experts
+            _split_mlp(moe.shared_experts, share.shared, width, f"{name}.shared_experts")
+        else:
+            del moe["shared_experts"]
+    return _recast(moe, ExpertParallelMoE, experts=experts, all_sum=psum)
+
+
+class ExpertParallelMoE(SparseMoE):
+    """``SparseMoE`` holding routed experts ``experts`` (whole; ``switch_mlp`` stacks of that many) and a column share
+    of the shared experts (or none), computing the rank's part of the block with one ``all_sum``.
+
+    Routing is replicated. Without ``routed_expert_norm`` everything after the routed experts is linear, so the
+    partial outputs (routed through ``routed_expert_up_proj``, plus shared) are summed at the hidden width; with it
+    the partial latent sums must be complete before the norm, so [latent sum | shared] is summed in one message and
+    norm + up projection run replicated.
+    """
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """x: [..., hidden] -> [..., hidden] (the full block output, on every rank)."""
+        inds, weights = self.routing(x)
+        width = self.cfg.routed_expert_hidden_size or self.cfg.hidden_size
+        if self.experts:
+            z = self.routed_expert_down_proj(x) if "routed_expert_down_proj" in self else x
+            y = self._local_experts(z, inds, weights)
+        else:
+            y = mx.zeros((*x.shape[:-1], width), x.dtype)
+        shared = self.shared_experts(x) if "shared_experts" in self else mx.zeros_like(x)
+        if "routed_expert_norm" in self:
+            y, shared = mx.split(self.all_sum(mx.concatenate([y, shared], -1)), [width], -1)
+            return self.routed_expert_up_proj(self.routed_expert_norm(y)) + shared
+        if "routed_expert_up_proj" in self:
+            y = self.routed_expert_up_proj(y)
+        return self.all_sum(y + shared)
+
+    def _local_experts(self, z: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
+        """Routing-weighted sum over the slots that chose this rank's experts: z [..., width], inds / weights
+        [..., k] (global expert ids) -> [..., width]."""
+        lo = self.experts.start
+        local = (inds >= lo) & (inds < self.experts.stop)
+        if inds.size < SORTED_MIN_PAIRS:  # decode: every slot runs, others' slots on local expert 0 (dropped below)
+            y = switch_glu(self.switch_mlp, z, mx.where(local, inds - lo, 0))
+        else:
+            y = self._compacted(z, inds, local)
+        y = y * weights[..., None].astype(y.dtype)
+        return mx.where(local[..., None], y, 0).sum(axis=-2)
+
+    def _compacted(self, z: mx.array, inds: mx.array, local: mx.array) -> mx.array:
+        """[..., k, width]: only the local (token, slot) pairs go through the experts (sorted by expert, they form
+        one run); the other slots are zero. Reads two counts on the host."""
+        k, lo = inds.shape[-1], self.experts.start
+        flat = inds.flatten()
+        order = mx.argsort(flat)
+        before, count = mx.stack([(flat < lo).sum(), local.sum()]).tolist()
+        out = mx.zeros((flat.size, z.shape[-1]), z.dtype)
+        if count:
+            pairs = order[before : before + count]
+            rows = z.reshape(-1, z.shape[-1])[pairs // k]
+            out[pairs] = switch_glu(self.switch_mlp, rows, (flat[pairs] - lo)[:, None])[:, 0]
+        return out.reshape(*inds.shape, -1)
