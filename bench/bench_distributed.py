@@ -79,6 +79,19 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.out, f"{args.mode}-rank{group.rank()}.json").write_text(json.dumps(out))
 
 
+def with_demo_tokenizer(checkpoint: Path) -> Path:
+    """``checkpoint`` (weights + config only) plus the demo model's tokenizer files, as a loadable model directory
+    beside it (links; the benchmark never tokenizes text, but ``load`` returns a tokenizer)."""
+    from kimi_mlx.demo import demo_model_path
+
+    out = checkpoint.with_name(checkpoint.name + "_with_tokenizer")
+    out.mkdir(exist_ok=True)
+    for src in [*checkpoint.iterdir(), *(demo_model_path() / f for f in ("tiktoken.model", "tokenizer_config.json"))]:
+        if not (out / src.name).exists():
+            (out / src.name).symlink_to(src)
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,7 +151,7 @@ def main() -> int:
     sys.path.insert(0, str(HERE))
     from bench_vs_mlx_lm import CONFIG, blas_in_use, checkpoint_dir, describe
 
-    path = checkpoint_dir(CACHE)
+    path = with_demo_tokenizer(checkpoint_dir(CACHE))
     print(f"BLAS: {blas_in_use()}")
     print(f"model: {describe(CONFIG)}; float32; prompt {args.prompt}, {args.decode} decode steps, medians of "
           f"{args.runs} runs; ranks pinned one per core (ring over localhost)")
