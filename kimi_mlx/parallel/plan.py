@@ -542,9 +542,21 @@ def _gguf_block_layout(qtype: int, scale_dtype: str, requantize: bool) -> tuple[
 # fraction of each parameter a rank holds is its split field's count over the config's (whole when None).
 
 def _fraction(cfg: KimiConfig, p: Param, share: Optional[TensorShare]) -> float:
-    if share is None or p.split is None:
+    if share is None:
         return 1.0
+    if p.split is None:
+        return 0.0 if _idle(cfg, p, share) else 1.0
     return len(getattr(share, p.split)) / _SPLIT_SIZES[p.split](cfg)
+
+
+def _idle(cfg: KimiConfig, p: Param, share: TensorShare) -> bool:
+    """A replicated parameter of an attention block of which the rank holds no heads: such a rank keeps nothing of
+    a KDA block, and of an MLA block only what fills the whole latent cache (``kv_a_proj_with_mqa`` and its norm)."""
+    if p.part != "layer" or ".self_attn." not in p.name:
+        return False
+    if cfg.is_kda_layer(p.layer):
+        return not share.kda_heads
+    return not share.mla_heads and not any(k in p.name for k in (".kv_a_proj_with_mqa.", ".kv_a_layernorm."))
 
 
 def _gathered(cfg: KimiConfig, p: Param) -> bool:
