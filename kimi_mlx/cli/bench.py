@@ -2,6 +2,8 @@
 
 Each trial feeds a fresh cache a random prompt (fixed seed, ids below the vocabulary size) and generates exactly
 ``--generation-tokens`` greedy tokens (EOS is ignored); one warm-up trial, then medians over ``--num-trials``.
+
+With ``--parallel`` (under ``mlx.launch``) every rank runs the same trials; rank 0's timings are printed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 
 import mlx.core as mx
 
+from . import ranks
 from .generate import add_model_args, load_from_args
 
 
@@ -68,10 +71,24 @@ def _check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         _check(args)
-        model, tokenizer = load_from_args(args, progress=not args.json)
-    except (OSError, ValueError) as e:
-        print(f"kimi-mlx: error: {e}", file=sys.stderr)
+        group = ranks.group_from_args(args)
+    except ValueError as e:  # the same command line on every rank: rank 0 says it
+        if ranks.rank(mx.distributed.init()) == 0:
+            print(f"kimi-mlx: error: {e}", file=sys.stderr)
         return 2
+    with ranks.on_ranks(group):
+        return _run(args, group)
+
+
+def _run(args: argparse.Namespace, group) -> int:
+    from ..parallel.health import RankError
+
+    try:
+        model, tokenizer = load_from_args(args, progress=not args.json, group=group)
+    except RankError:  # rank 0 printed it; every rank ends with it
+        return 2
+    except (OSError, ValueError) as e:
+        return ranks.report_error(e, group)
     mx.random.seed(0)
     rows = []
     for length in args.prompt_tokens:

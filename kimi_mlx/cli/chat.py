@@ -3,6 +3,11 @@
 Replies stream as they come; reasoning is dimmed (or hidden with ``--hide-reasoning``); tool calls are shown and their
 results typed in; a stats line follows every reply. Ctrl-C stops the current reply and keeps the session; Ctrl-D or
 ``/exit`` quits.
+
+With ``--parallel`` (under ``mlx.launch``) rank 0 reads each line and hands it to the other ranks, so every rank runs
+the same commands and replies in lockstep; only rank 0 prints. There, Ctrl-C ends the whole run (the ranks could not
+stop a reply at the same token), ``/save`` / ``/load`` / ``--load`` are refused (each rank holds only its part of the
+cache), and ``/exit`` quits (``mlx.launch`` does not pass end-of-input on to the ranks, so Ctrl-D does not).
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ import json
 import sys
 from pathlib import Path
 
+import mlx.core as mx
+
+from . import ranks
 from .generate import add_chat_args, add_model_args, add_sampling_args, load_from_args, sampling_from_args
 
 HELP = """commands:
@@ -61,9 +69,27 @@ def _read_tools(path: str) -> list:
 class Repl:
     """The read-eval-print loop; ``out`` is where replies go (a terminal gets ANSI dimming)."""
 
-    def __init__(self, session, hide_reasoning: bool, out=sys.stdout):
+    def __init__(self, session, hide_reasoning: bool, out=None, group=None):
+        out = sys.stdout if out is None else out
         self.session, self.hide_reasoning, self.out = session, hide_reasoning, out
         self.color = out.isatty()
+        self.group = group if ranks.is_parallel(group) else None  # --parallel: rank 0 reads, every rank runs
+
+    def read(self, prompt: str) -> str:
+        """A line typed by the user (``input``); under ``--parallel`` rank 0 reads it and every rank gets it (EOFError
+        on every rank at the end of rank 0's input)."""
+        if self.group is None:
+            return input(prompt)
+        line = None
+        if self.group.rank() == 0:
+            try:
+                line = input(prompt)
+            except EOFError:
+                line = None
+        line = ranks.broadcast_text(line, self.group)
+        if line is None:
+            raise EOFError
+        return line
 
     def write(self, text: str) -> None:
         self.out.write(text)
@@ -95,6 +121,8 @@ class Repl:
                 else:
                     self.write(f"\n[warning: {ev.text}]")
         except KeyboardInterrupt:
+            if self.group is not None:  # ranks cannot stop at the same token: Ctrl-C ends the run
+                raise
             events.close()
             self.write((RESET if self.color and shown == "reasoning" else "") + "\n[interrupted]")
         except ContextFullError as e:
@@ -116,8 +144,10 @@ class Repl:
         for call in calls:
             fn = call["function"]
             try:
-                results.append((call, input(f"result of {fn['name']}({_args_text(fn.get('arguments'))})> ")))
-            except (EOFError, KeyboardInterrupt):
+                results.append((call, self.read(f"result of {fn['name']}({_args_text(fn.get('arguments'))})> ")))
+            except (EOFError, KeyboardInterrupt) as e:
+                if isinstance(e, KeyboardInterrupt) and self.group is not None:
+                    raise
                 self.write("\n[tool round abandoned: the calls stay unanswered]\n")
                 return
         self.stream(self.session.tool_results(results))
@@ -150,6 +180,8 @@ class Repl:
         elif name == "/undo":
             n = s.undo()
             self.write(f"[removed {n} message{'s' if n != 1 else ''}]\n")
+        elif name in ("/save", "/load") and self.group is not None:
+            raise ValueError(f"{name} is not supported with --parallel (each rank holds only its part of the cache)")
         elif name == "/save":
             if not arg:
                 raise ValueError("usage: /save FILE")
@@ -178,11 +210,13 @@ class Repl:
 
         while True:
             try:
-                line = input(">>> ")
+                line = self.read(">>> ")
             except EOFError:
                 self.write("\n")
                 return
             except KeyboardInterrupt:
+                if self.group is not None:
+                    raise
                 self.write("\n[Ctrl-C: /exit or Ctrl-D quits]\n")
                 continue
             if not line.strip():
@@ -212,7 +246,21 @@ def _stats_line(st) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        group = ranks.group_from_args(args)
+        if args.parallel and args.load:
+            raise ValueError("--load is not supported with --parallel (each rank holds only its part of the cache)")
+    except ValueError as e:  # the same command line on every rank: rank 0 says it
+        if ranks.rank(mx.distributed.init()) == 0:
+            print(f"kimi-mlx: error: {e}", file=sys.stderr)
+        return 2
+    with ranks.on_ranks(group):
+        return _run(args, group)
+
+
+def _run(args: argparse.Namespace, group) -> int:
     from ..chat_session import ChatSession
+    from ..parallel.health import RankError
     from ..prompt_cache import PromptCacheError
 
     try:
@@ -226,9 +274,17 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.load:
             session.load(args.load)
-    except (OSError, ValueError, PromptCacheError) as e:
-        print(f"kimi-mlx: error: {e}", file=sys.stderr)
+    except RankError:  # rank 0 printed it; every rank ends with it
         return 2
+    except (OSError, ValueError, PromptCacheError) as e:
+        return ranks.report_error(e, group)
     print(f"kimi-mlx chat: {args.model} ({session.chat_format} format). /help for commands, Ctrl-D or /exit quits.")
-    Repl(session, args.hide_reasoning).loop()
+    try:
+        Repl(session, args.hide_reasoning, out=sys.stdout, group=group).loop()
+    except KeyboardInterrupt:
+        if not ranks.is_parallel(group):
+            raise
+        if group.rank() == 0:  # Ctrl-C ends a --parallel chat on every rank
+            print("\n[interrupted: Ctrl-C ends a --parallel chat]", file=sys.stderr)
+        return 130
     return 0

@@ -11,8 +11,11 @@ import json
 import sys
 import threading
 import time
+from typing import Optional
 
 import mlx.core as mx
+
+from . import ranks
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -27,6 +30,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", type=int, default=None, metavar="BITS",
                    help="quantize weights on load (affine; 2, 3, 4, 5, 6 or 8 bits)")
     p.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128))
+    p.add_argument("--parallel", default=None, metavar="{pipeline,tensor}",
+                   help="split the model over the ranks of mlx.launch (mlx.launch [--hosts ...] -- kimi-mlx ... "
+                        "--parallel MODE): rank 0 reads the input and prints, the others stay silent")
+    p.add_argument("--split", default=None, metavar="even|N,N,...",
+                   help="--parallel pipeline: 'even', or decoder layers per rank such as '20,7' (default: in "
+                        "proportion to each rank's memory)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -52,17 +61,28 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_from_args(args: argparse.Namespace) -> dict:
     """Keyword arguments of ``stream_generate`` for the sampling flags; seeds MLX's generator, so call it after
-    loading (loading may draw random numbers) for ``--seed S`` to mean ``mx.random.seed(S)`` before generating."""
+    loading (loading may draw random numbers) for ``--seed S`` to mean ``mx.random.seed(S)`` before generating.
+
+    With ``--parallel`` every rank must call it: without ``--seed`` rank 0 picks the seed for all ranks (``args.seed``
+    is set to it), so every rank samples the same tokens."""
+    group = ranks.group_from_args(args) if getattr(args, "parallel", None) else None
+    if ranks.is_parallel(group):
+        args.seed = ranks.shared_seed(args.seed, group)
     if args.seed is not None:
         mx.random.seed(args.seed)
     return {"temp": args.temp, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
             "repetition_penalty": args.repetition_penalty}
 
 
-def load_from_args(args: argparse.Namespace, progress: bool = True):
+def load_from_args(args: argparse.Namespace, progress: bool = True, group: Optional[mx.distributed.Group] = None):
     """``(model, tokenizer)`` for the model flags; ``progress``: a GGUF shows ``load``'s progress bar, anything else
-    an elapsed-time indicator (on a terminal's stderr)."""
+    an elapsed-time indicator (on a terminal's stderr). ``group``: the ranks of ``--parallel`` (from
+    ``ranks.group_from_args``; by default derived from ``--parallel``); only rank 0 shows progress."""
     from ..loading import load
+
+    if group is None and getattr(args, "parallel", None):
+        group = ranks.group_from_args(args)
+    progress = progress and (group is None or group.rank() == 0)
 
     quantize = None if args.quantize is None else {"bits": args.quantize, "group_size": args.q_group_size}
     done = threading.Event()
@@ -83,7 +103,8 @@ def load_from_args(args: argparse.Namespace, progress: bool = True):
     loaded = False
     try:
         out = load(args.model, dtype=DTYPES.get(args.dtype), quantize=quantize, adapter_path=args.adapter_path,
-                   progress=progress and gguf)
+                   progress=progress and gguf, parallel=getattr(args, "parallel", None), group=group,
+                   split=getattr(args, "split", None))
         loaded = True
         return out
     finally:
@@ -112,12 +133,21 @@ def add_parser(commands) -> None:
     p.set_defaults(run=run)
 
 
-def _prompt_tokens(args: argparse.Namespace, tokenizer) -> list[int]:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+def _check_chat_flags(args: argparse.Namespace) -> None:
     if not args.chat:
         for flag, value in (("--system", args.system), ("--think/--no-think", args.think), ("--effort", args.effort)):
             if value is not None:
                 raise ValueError(f"{flag} needs --chat (it applies to the chat format)")
+
+
+def _prompt_tokens(args: argparse.Namespace, tokenizer, group: Optional[mx.distributed.Group] = None) -> list[int]:
+    prompt = args.prompt
+    if prompt == "-":  # under --parallel rank 0 reads stdin and hands the text to the others
+        prompt = sys.stdin.read() if ranks.rank(group) == 0 else None
+        if ranks.is_parallel(group):
+            prompt = ranks.broadcast_text(prompt, group)
+    _check_chat_flags(args)
+    if not args.chat:
         return tokenizer.encode(prompt)
     from ..chat_format import render_chat
 
@@ -153,16 +183,33 @@ def _prompt_cache(args: argparse.Namespace, model, tokens: list[int]):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..generate import stream_generate
+    from ..parallel.health import RankError
     from ..prompt_cache import PromptCacheError
 
     try:
-        model, tokenizer = load_from_args(args, progress=not (args.quiet or args.json))
-        tokens = _prompt_tokens(args, tokenizer)
-        cache, feed = _prompt_cache(args, model, tokens) if args.prompt_cache else (None, tokens)
-    except (OSError, ValueError, PromptCacheError) as e:
-        print(f"kimi-mlx: error: {e}", file=sys.stderr)
+        group = ranks.group_from_args(args)
+        if args.parallel and args.prompt_cache:
+            raise ValueError("--prompt-cache is not supported with --parallel (each rank holds part of the cache)")
+        _check_chat_flags(args)
+    except ValueError as e:  # the same command line on every rank: rank 0 says it
+        if ranks.rank(mx.distributed.init()) == 0:
+            print(f"kimi-mlx: error: {e}", file=sys.stderr)
         return 2
+    try:
+        with ranks.on_ranks(group):
+            return _run(args, group)
+    except RankError:  # rank 0 printed it; every rank ends with it
+        return 2
+    except (OSError, ValueError, PromptCacheError) as e:
+        return ranks.report_error(e, group)
+
+
+def _run(args: argparse.Namespace, group: Optional[mx.distributed.Group]) -> int:
+    from ..generate import stream_generate
+
+    model, tokenizer = load_from_args(args, progress=not (args.quiet or args.json), group=group)
+    tokens = _prompt_tokens(args, tokenizer, group)
+    cache, feed = _prompt_cache(args, model, tokens) if args.prompt_cache else (None, tokens)
     parser = None
     if args.chat:
         from ..chat_format import detect_chat_format
@@ -200,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, ensure_ascii=False))
         return 0
     print()
-    if last is not None and not args.quiet:
+    if last is not None and not args.quiet and ranks.rank(group) == 0:
         print(
             f"prompt: {stats['prompt_tokens']} tokens ({stats['prefill_tokens']} prefilled), "
             f"{stats['prompt_tps']:.1f} tok/s | generation: {stats['generation_tokens']} tokens, "

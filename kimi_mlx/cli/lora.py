@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from .generate import DTYPES
-from .ranks import rank_zero_output
+from .ranks import on_ranks
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
 SCHEDULES = ("cosine_decay", "linear_schedule", "exponential_decay", "step_decay")
@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_args(args)
         check_batch_size(args.batch_size, group)
-        with rank_zero_output(group):
+        with on_ranks(group):
             train_and_test(args, group)
     except (OSError, ValueError) as e:
         print(f"kimi-mlx: error: {e}", file=sys.stderr)

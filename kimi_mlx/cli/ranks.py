@@ -1,7 +1,7 @@
 """Rank-0 input and output for commands run on every rank of ``mlx.launch ... -- kimi-mlx CMD --parallel MODE``.
 
 Rank 0 reads the input (a prompt, chat lines) and hands it to the other ranks with ``broadcast_text``; only rank 0
-prints (``rank_zero_output`` discards the others' stdout); sampling draws the same tokens everywhere because every
+prints (``on_ranks`` discards the others' stdout); sampling draws the same tokens everywhere because every
 rank seeds MLX's generator with one seed (``shared_seed``: rank 0's pick unless ``--seed`` is given). Collectives go
 through ``kimi_mlx.parallel.comm`` like every other collective of the process, in the same order on every rank.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from contextlib import contextmanager, redirect_stdout
+from contextlib import contextmanager, nullcontext, redirect_stdout
 from typing import Optional
 
 import mlx.core as mx
@@ -50,13 +50,17 @@ def is_parallel(group: Optional[mx.distributed.Group]) -> bool:
 
 
 @contextmanager
-def rank_zero_output(group: Optional[mx.distributed.Group]):
-    """stdout as is on rank 0 (and for no group); discarded on the other ranks (their errors still reach stderr)."""
-    if rank(group) == 0:
+def on_ranks(group: Optional[mx.distributed.Group]):
+    """A command's run on every rank: stdout as is on rank 0 (and for no group), discarded on the other ranks (their
+    errors still reach stderr); when the block ends normally, wait until every rank has finished its collectives
+    (mlx-lm's generator evaluates the next step ahead, asynchronously): a rank that exited earlier would cut the
+    others' last messages."""
+    with open(os.devnull, "w") as sink, redirect_stdout(sink) if rank(group) else nullcontext():
         yield
-        return
-    with open(os.devnull, "w") as sink, redirect_stdout(sink):
-        yield
+    if is_parallel(group):
+        from ..parallel.health import barrier
+
+        barrier(group)
 
 
 def report_error(e: BaseException, group: Optional[mx.distributed.Group]) -> int:
