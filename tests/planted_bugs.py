@@ -326,9 +326,10 @@ def run_bug(bug: PlantedBug, shared: Path, timeout: float) -> tuple[str, str]:
         # run from tmp, not the repository: `python -m` puts the working folder first on sys.path, and the source
         # tree's kimi_mlx/ lacks the subpackages that package-dir maps in
         where = subprocess.run([sys.executable, "-c", "import kimi_mlx; print(kimi_mlx.__file__)"], cwd=tmp, env=env,
-                               capture_output=True, text=True).stdout.strip()
-        if not where.startswith(str(tmp / "site")):
-            raise RuntimeError(f"the scratch copy is not the kimi_mlx that Python imports (it imports {where!r})")
+                               capture_output=True, text=True)
+        if not where.stdout.strip().startswith(str(tmp / "site")):
+            raise RuntimeError(f"the scratch copy is not the kimi_mlx that Python imports (it imports "
+                               f"{where.stdout.strip()!r}; {where.stderr.strip()[-2000:]})")
         cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rfE", "--rootdir", str(repo),
                *(str(repo / t) for t in bug.tests)]
         try:
