@@ -358,6 +358,10 @@ class ChatSession:
 
     def load(self, path: Union[str, Path]) -> None:
         """Replace this session's conversation, settings and cache with those saved in ``path``."""
+        self.restore(self.read_saved(path))
+
+    def read_saved(self, path: Union[str, Path]) -> tuple[Any, dict]:
+        """(cache file, session state) saved in ``path``, checked against this session; nothing is changed yet."""
         loaded = load_prompt_cache(path, self.model, max_checkpoints=self.cache.max_checkpoints)
         if SESSION_KEY not in loaded.metadata:
             raise PromptCacheError(f"{path}: a prompt-cache file without a chat session (not written by /save)")
@@ -368,7 +372,12 @@ class ChatSession:
             raise PromptCacheError(f"{path}: the saved chat session is malformed ({e})") from None
         if fmt != self.chat_format:
             raise PromptCacheError(f"{path}: saved with chat format {fmt!r}, this session uses {self.chat_format!r}")
-        self.messages, self.system, self.tools = messages, state.get("system"), state.get("tools")
+        return loaded, {**state, "messages": messages}
+
+    def restore(self, saved: tuple[Any, dict]) -> None:
+        """Take the conversation, settings and cache of ``read_saved``'s result."""
+        loaded, state = saved
+        self.messages, self.system, self.tools = state["messages"], state.get("system"), state.get("tools")
         self.thinking, self.thinking_effort = state.get("thinking"), state.get("thinking_effort")
         self.cache, self.tokens, self.last = loaded.cache, loaded.tokens, None
         self.cache.checkpoint()

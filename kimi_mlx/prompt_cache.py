@@ -8,7 +8,8 @@ Layout (format ``kimi-mlx-prompt-cache``, version 1)::
     layers.{i}.kv_latent        [1, 1, N, kv_lora_rank]   MLA layer i
     layers.{i}.k_pe             [1, 1, N, qk_rope_head_dim]
     metadata: format, format_version, offset, layer_kinds ("K"/"M" per layer), model_type, config (the model's
-              config as sorted JSON), config_sha256, weights_fingerprint, and "user.{key}" for caller metadata.
+              config as sorted JSON), config_sha256, weights_fingerprint, shard (which rank's part of a distributed
+              model, "" for a whole model), and "user.{key}" for caller metadata.
 
 ``load_prompt_cache`` refuses, with an error naming the file and the mismatch, a file of another format or version,
 made for another architecture, layer schedule, config (the differing keys are named) or weights (a fingerprint of
@@ -73,6 +74,7 @@ def model_identity(model: nn.Module) -> dict[str, str]:
         "config": config,
         "config_sha256": hashlib.sha256(config.encode()).hexdigest(),
         "weights_fingerprint": json.dumps(_weights_fingerprint(model)),
+        "shard": getattr(model, "shard", ""),  # one rank's part of a distributed model (``kimi_mlx.parallel``)
     }
 
 
@@ -115,8 +117,8 @@ def save_prompt_cache(
 
 def _check_identity(source: str, meta: dict[str, str], model: nn.Module) -> None:
     mine = model_identity(model)
-    for key in ("model_type", "layer_kinds"):
-        if meta.get(key) != mine[key]:
+    for key in ("model_type", "layer_kinds", "shard"):
+        if meta.get(key, "") != mine[key]:
             raise PromptCacheError(
                 f"{source}: made for another model: {key} is {meta.get(key)!r} in the file, {mine[key]!r} here"
             )
@@ -186,13 +188,13 @@ def load_prompt_cache(path: Union[str, Path], model: nn.Module, max_checkpoints:
         if offset == 0:
             continue
         if isinstance(c, KDACache):
-            channels = 3 * cfg.kda_num_heads * cfg.kda_head_dim
+            heads = getattr(model.layers[i].self_attn, "num_heads", 0)  # this rank's heads (tensor parallel: a part)
+            channels = 3 * heads * cfg.kda_head_dim
             c.conv_state = _expect(
                 source, arrays, f"layers.{i}.conv_state", (batch, cfg.short_conv_kernel_size - 1, channels)
             )
             c.recurrent_state = _expect(
-                source, arrays, f"layers.{i}.recurrent_state",
-                (batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim),
+                source, arrays, f"layers.{i}.recurrent_state", (batch, heads, cfg.kda_head_dim, cfg.kda_head_dim),
             )
         elif isinstance(c, MLALatentCache):
             c.kv_latent = _expect(source, arrays, f"layers.{i}.kv_latent", (batch, 1, offset, cfg.kv_lora_rank))

@@ -140,8 +140,8 @@ def _transcript(stdout: str) -> str:
 
 
 def test_chat_lockstep_equals_single_process(tmp_path):
-    """Two turns, /regenerate, /undo, /system, a third turn, /save (refused), /quit: rank 0's transcript equals one
-    process's (sampled with --seed), the other rank prints nothing."""
+    """Two turns, /regenerate, /undo, /system, a third turn, /quit: rank 0's transcript equals one process's
+    (sampled with --seed), the other rank prints nothing."""
     lines = ["hello there", "tell me more", "/regenerate", "/undo", "/system be brief", "again", "/quit"]
     stdin = "\n".join(lines) + "\n"
     args = ["chat", "--model", MODEL, "--max-tokens", "6", *SAMPLED, "--seed", "3"]
@@ -152,10 +152,37 @@ def test_chat_lockstep_equals_single_process(tmp_path):
     assert _transcript(proc.stdout) == _transcript(want.stdout)
     assert proc.stdout.count("kimi-mlx chat:") == 1
     assert proc.stdout.count("[removed 2 messages]") == 1
-    proc, failed = _launch(tmp_path / "save", *args, "--parallel", "pipeline", stdin="/save x.safetensors\n/quit\n")
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_chat_save_and_load_per_rank(tmp_path, mode):
+    """/save writes each rank's part (x.safetensors on rank 0, x.rank1.safetensors on rank 1); a new run with --load
+    continues the conversation as one process does after /save and --load; swapped parts are refused (a part records
+    the layers / shard it holds), and with rank 1's part missing every rank refuses the load, naming rank 1."""
+    args = ["chat", "--model", MODEL, "--max-tokens", "6", *SAMPLED, "--seed", "3"]
+    first, second = "hello there\n/save x.safetensors\n/quit\n", "tell me more\n/quit\n"
+    single = tmp_path / "single"
+    single.mkdir()
+    for stdin, extra in ((first, []), (second, ["--load", "x.safetensors"])):
+        want = subprocess.run([KIMI, *args, *extra], input=stdin, capture_output=True, text=True, timeout=TIMEOUT,
+                              cwd=single)
+        assert want.returncode == 0, want.stderr
+    par = tmp_path / "par"
+    _ok(*_launch(par, *args, "--parallel", mode, stdin=first))
+    assert (par / "x.safetensors").exists() and (par / "x.rank1.safetensors").exists()
+    proc, failed = _launch(par, *args, "--parallel", mode, "--load", "x.safetensors", stdin=second)
     _ok(proc, failed)
-    assert "[error: /save is not supported with --parallel" in proc.stdout
-    assert not (tmp_path / "save" / "x.safetensors").exists()
+    assert _transcript(proc.stdout) == _transcript(want.stdout)
+
+    (par / "x.safetensors").rename(par / "swap")
+    (par / "x.rank1.safetensors").rename(par / "x.safetensors")
+    (par / "swap").rename(par / "x.rank1.safetensors")
+    proc, failed = _launch(par, *args, "--parallel", mode, "--load", "x.safetensors", stdin=second)
+    assert 2 in failed.values() and "made for another model" in proc.stderr, proc.stderr
+    (par / "x.safetensors").replace(par / "rank1")  # rank 0's part back in place, rank 1's gone
+    (par / "x.rank1.safetensors").replace(par / "x.safetensors")
+    proc, failed = _launch(par, *args, "--parallel", mode, "--load", "x.safetensors", stdin=second)
+    assert 2 in failed.values() and "loading x.safetensors failed on rank 1" in proc.stderr, proc.stderr
 
 
 def test_bench_parallel(tmp_path):

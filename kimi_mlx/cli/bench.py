@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 
 import mlx.core as mx
@@ -69,15 +68,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        _check(args)
-        group = ranks.group_from_args(args)
-    except ValueError as e:  # the same command line on every rank: rank 0 says it
-        if ranks.rank(mx.distributed.init()) == 0:
-            print(f"kimi-mlx: error: {e}", file=sys.stderr)
-        return 2
-    with ranks.on_ranks(group):
-        return _run(args, group)
+    return ranks.run_command(args, lambda: _check(args), lambda group: _run(args, group))
 
 
 def _run(args: argparse.Namespace, group) -> int:

@@ -6,8 +6,9 @@ results typed in; a stats line follows every reply. Ctrl-C stops the current rep
 
 With ``--parallel`` (under ``mlx.launch``) rank 0 reads each line and hands it to the other ranks, so every rank runs
 the same commands and replies in lockstep; only rank 0 prints. There, Ctrl-C ends the whole run (the ranks could not
-stop a reply at the same token), ``/save`` / ``/load`` / ``--load`` are refused (each rank holds only its part of the
-cache), and ``/exit`` quits (``mlx.launch`` does not pass end-of-input on to the ranks, so Ctrl-D does not).
+stop a reply at the same token), ``/save FILE`` / ``/load FILE`` / ``--load FILE`` save / load each rank's part of
+the cache and the conversation (``NAME.safetensors`` on rank 0, ``NAME.rank{r}.safetensors`` on rank r; all ranks
+succeed or fail together), and ``/exit`` quits (``mlx.launch`` does not pass end-of-input on to the ranks, so Ctrl-D does not).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import json
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 
 from . import ranks
 from .generate import add_chat_args, add_model_args, add_sampling_args, load_from_args, sampling_from_args
@@ -180,17 +180,18 @@ class Repl:
         elif name == "/undo":
             n = s.undo()
             self.write(f"[removed {n} message{'s' if n != 1 else ''}]\n")
-        elif name in ("/save", "/load") and self.group is not None:
-            raise ValueError(f"{name} is not supported with --parallel (each rank holds only its part of the cache)")
         elif name == "/save":
             if not arg:
                 raise ValueError("usage: /save FILE")
-            s.save(arg)
+            with ranks.together(self.group, f"saving {arg}"):
+                s.save(ranks.rank_path(arg, self.group))
             self.write(f"[saved {len(s.messages)} messages, {len(s.tokens)} tokens to {arg}]\n")
         elif name == "/load":
             if not arg:
                 raise ValueError("usage: /load FILE")
-            s.load(arg)
+            with ranks.together(self.group, f"loading {arg}"):  # every rank reads its part, then all take it
+                saved = s.read_saved(ranks.rank_path(arg, self.group))
+            s.restore(saved)
             self.write(f"[loaded {len(s.messages)} messages, {len(s.tokens)} tokens from {arg}]\n")
         elif name == "/stats":
             st = s.stats()
@@ -246,16 +247,7 @@ def _stats_line(st) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        group = ranks.group_from_args(args)
-        if args.parallel and args.load:
-            raise ValueError("--load is not supported with --parallel (each rank holds only its part of the cache)")
-    except ValueError as e:  # the same command line on every rank: rank 0 says it
-        if ranks.rank(mx.distributed.init()) == 0:
-            print(f"kimi-mlx: error: {e}", file=sys.stderr)
-        return 2
-    with ranks.on_ranks(group):
-        return _run(args, group)
+    return ranks.run_command(args, lambda: None, lambda group: _run(args, group))
 
 
 def _run(args: argparse.Namespace, group) -> int:
@@ -273,7 +265,9 @@ def _run(args: argparse.Namespace, group) -> int:
             max_checkpoints=args.max_checkpoints, sampling=sampling,
         )
         if args.load:
-            session.load(args.load)
+            with ranks.together(group, f"loading {args.load}"):
+                saved = session.read_saved(ranks.rank_path(args.load, group))
+            session.restore(saved)
     except RankError:  # rank 0 printed it; every rank ends with it
         return 2
     except (OSError, ValueError, PromptCacheError) as e:

@@ -186,22 +186,20 @@ def run(args: argparse.Namespace) -> int:
     from ..parallel.health import RankError
     from ..prompt_cache import PromptCacheError
 
-    try:
-        group = ranks.group_from_args(args)
+    def check() -> None:
         if args.parallel and args.prompt_cache:
             raise ValueError("--prompt-cache is not supported with --parallel (each rank holds part of the cache)")
         _check_chat_flags(args)
-    except ValueError as e:  # the same command line on every rank: rank 0 says it
-        if ranks.rank(mx.distributed.init()) == 0:
-            print(f"kimi-mlx: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        with ranks.on_ranks(group):
+
+    def body(group) -> int:
+        try:
             return _run(args, group)
-    except RankError:  # rank 0 printed it; every rank ends with it
-        return 2
-    except (OSError, ValueError, PromptCacheError) as e:
-        return ranks.report_error(e, group)
+        except RankError:  # rank 0 printed it; every rank ends with it
+            return 2
+        except (OSError, ValueError, PromptCacheError) as e:
+            return ranks.report_error(e, group)
+
+    return ranks.run_command(args, check, body)
 
 
 def _run(args: argparse.Namespace, group: Optional[mx.distributed.Group]) -> int:

@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from .generate import DTYPES
-from .ranks import on_ranks
+from .ranks import on_ranks, wait_for_ranks
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")
 SCHEDULES = ("cosine_decay", "linear_schedule", "exponential_decay", "step_decay")
@@ -247,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
         check_batch_size(args.batch_size, group)
         with on_ranks(group):
             train_and_test(args, group)
+        wait_for_ranks(group)
     except (OSError, ValueError) as e:
         print(f"kimi-mlx: error: {e}", file=sys.stderr)
         return 2

@@ -12,7 +12,8 @@ import argparse
 import os
 import sys
 from contextlib import contextmanager, nullcontext, redirect_stdout
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -51,16 +52,53 @@ def is_parallel(group: Optional[mx.distributed.Group]) -> bool:
 
 @contextmanager
 def on_ranks(group: Optional[mx.distributed.Group]):
-    """A command's run on every rank: stdout as is on rank 0 (and for no group), discarded on the other ranks (their
-    errors still reach stderr); when the block ends normally, wait until every rank has finished its collectives
-    (mlx-lm's generator evaluates the next step ahead, asynchronously): a rank that exited earlier would cut the
-    others' last messages."""
+    """stdout as is on rank 0 (and for no group), discarded on the other ranks (their errors still reach stderr)."""
     with open(os.devnull, "w") as sink, redirect_stdout(sink) if rank(group) else nullcontext():
         yield
+
+
+def wait_for_ranks(group: Optional[mx.distributed.Group]) -> None:
+    """After a command succeeded: return once every rank has finished its collectives (mlx-lm's generator evaluates
+    the next step ahead, asynchronously); a rank that exited earlier would cut the others' last messages. (After an
+    error, a rank just exits: the others' collectives fail and the watchdog names it.)"""
     if is_parallel(group):
         from ..parallel.health import barrier
 
         barrier(group)
+
+
+def run_command(args: argparse.Namespace, check: Callable[[], None], body: Callable[[Optional[mx.distributed.Group]], int]) -> int:
+    """A command that may run on every rank of ``mlx.launch``: check the flags (``--parallel`` / ``--split``, then
+    ``check()``; a ValueError there is the same on every rank, so rank 0 prints it and every rank returns 2), then
+    ``body(group)`` inside ``on_ranks``, and when it succeeds ``wait_for_ranks``."""
+    try:
+        group = group_from_args(args)
+        check()
+    except ValueError as e:
+        if rank(mx.distributed.init()) == 0:
+            print(f"kimi-mlx: error: {e}", file=sys.stderr)
+        return 2
+    with on_ranks(group):
+        rc = body(group)
+    if rc == 0:
+        wait_for_ranks(group)
+    return rc
+
+
+def rank_path(path: str, group: Optional[mx.distributed.Group]) -> str:
+    """Where this rank keeps its part of a file: ``path`` itself on rank 0 (and for one process), ``NAME.rank{r}.EXT``
+    for ``NAME.EXT`` on rank r (each Mac writes its own; on one machine the names do not collide)."""
+    if rank(group) == 0:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.rank{rank(group)}{p.suffix}"))
+
+
+def together(group: Optional[mx.distributed.Group], what: str):
+    """A step all ranks pass or fail together (``kimi_mlx.parallel.health.agree``; the error names the rank)."""
+    from ..parallel.health import agree
+
+    return agree(group if is_parallel(group) else None, what)
 
 
 def report_error(e: BaseException, group: Optional[mx.distributed.Group]) -> int:

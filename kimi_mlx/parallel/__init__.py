@@ -73,14 +73,29 @@ def rank_share(
     """
     if parallel is None:
         return None
+    where = f"{parallel} rank {group.rank()} of {group.size()}"
     if parallel == "pipeline":
         stages = Stages.split(layer_costs, group, split, cfg.tie_word_embeddings)  # checks ``split`` for 1 rank too
-        return None if group.size() == 1 else Share(stages.select, stages.apply)
+        layers = stages.layers
+        where += f", layers {layers.start}-{layers.stop - 1}"
+        return None if group.size() == 1 else Share(stages.select, _labelled(stages.apply, where))
     if group.size() == 1:
         return None
     from .shard import tensor_parallel, tensor_select
 
-    return Share(tensor_select(cfg, group), lambda model: tensor_parallel(model, group))
+    return Share(tensor_select(cfg, group), _labelled(lambda model: tensor_parallel(model, group), where))
+
+
+def _labelled(apply: Callable[[nn.Module], nn.Module], where: str) -> Callable[[nn.Module], nn.Module]:
+    """``apply``, then ``model.shard = where`` (e.g. "pipeline rank 1 of 2, layers 14-26"): what a prompt-cache file
+    of this rank's part records, so another rank's file is refused."""
+
+    def labelled(model: nn.Module) -> nn.Module:
+        model = apply(model)
+        model.shard = where
+        return model
+
+    return labelled
 
 
 def parallelize(model: nn.Module, parallel: Optional[str], group: Optional[mx.distributed.Group] = None,
