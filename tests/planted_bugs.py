@@ -276,6 +276,20 @@ BUGS: tuple[PlantedBug, ...] = (
           ""),),
         ("tests/test_platform_guards.py",),
     ),
+    # -- distributed (issue 12)
+    PlantedBug(
+        "expert parallel: slots routed to other ranks' experts are not zeroed (decode counts them on local expert 0)",
+        (("kimi_mlx/parallel/shard.py", "        return mx.where(local[..., None], y, 0).sum(axis=-2)",
+          "        return y.sum(axis=-2)"),),
+        ("tests/test_parallel_tensor.py::test_tensor_parallel_matches_single_process[2]",),
+    ),
+    PlantedBug(
+        "pipeline: a K3 stage drops the AttnRes blocks it receives with the hidden state",
+        (("kimi_mlx/parallel/pipeline.py",
+          "        blocks.raw, blocks.inv_rms = packed[:-1], inv_rms(packed[:-1], blocks.eps)",
+          "        blocks.raw = blocks.inv_rms = None"),),
+        ("tests/test_parallel_pipeline.py::test_two_ranks_match_one_process",),
+    ),
 )
 
 
