@@ -377,11 +377,11 @@ def test_cli_bad_arguments(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_cli_subprocess_kimi_linear_one_mac():
+def test_cli_subprocess_kimi_linear_one_mac(tmp_path):
     """The console entry point in a fresh process: Kimi Linear 4-bit at 1M tokens of context on one 64 GB Mac."""
     cmd = [sys.executable, "-m", "kimi_mlx.cli.main", "plan", "--model", str(CONFIGS /
            "kimi-linear-48b-a3b-instruct.json"), "--hosts", "64", "--quantize", "4", "--context", "1048576",
            "--bandwidth", "546"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)  # the installed package
     assert proc.returncode == 0, proc.stderr
     assert "weights as loaded: 27.66 GB" in proc.stdout and "fits" in proc.stdout
