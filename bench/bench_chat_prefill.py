@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_mlx_lm import CONFIG, blas_in_use, checkpoint_dir, describe, load_kimi  # noqa: E402
 
 from kimi_mlx import load  # noqa: E402
-from kimi_mlx.chat_session import ChatSession  # noqa: E402
+from kimi_mlx.chat.session import ChatSession  # noqa: E402
 from kimi_mlx.generate import stream_generate  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()

@@ -20,7 +20,7 @@ Special tokens: by default ``encode`` treats text as *plain text*: a typed
 ``<|im_end|>`` becomes ordinary BPE tokens, never the control id. Pass
 ``allowed_special="all"`` (or a set of names) to parse special-token strings,
 or use :meth:`KimiTikTokenizer.encode_with_special_tokens`. Chat prompts should
-be built with :mod:`kimi_mlx.chat_format` (segment-aware), or via
+be built with :mod:`kimi_mlx.chat.format` (segment-aware), or via
 ``apply_chat_template``; the string form returned by
 ``apply_chat_template(..., tokenize=False)`` is a :class:`RenderedChat` that
 remembers its segment-aware ids, so ``encode(rendered)`` (what mlx-lm's CLI
@@ -338,7 +338,7 @@ class KimiTikTokenizer:
         self.unk_token = _tok(unk_token)
         # Default system prompt injected by apply_chat_template when the chat has
         # none ("auto": taken from the checkpoint's template, K2 default if none).
-        from .chat_format import default_system_from_template
+        from .chat.format import default_system_from_template
 
         auto_text, auto_suffix = default_system_from_template(chat_template)
         if default_system == "auto":
@@ -598,8 +598,8 @@ class KimiTikTokenizer:
 
     @property
     def chat_format(self) -> str:
-        """``"kimi_k3"`` for the XTML vocabulary, else ``"kimi_linear"`` (:func:`kimi_mlx.chat_format.detect_chat_format`)."""
-        from .chat_format import detect_chat_format
+        """``"kimi_k3"`` for the XTML vocabulary, else ``"kimi_linear"`` (:func:`kimi_mlx.chat.format.detect_chat_format`)."""
+        from .chat.format import detect_chat_format
 
         return detect_chat_format(self)
 
@@ -614,7 +614,7 @@ class KimiTikTokenizer:
         return_tensors: Optional[str] = None,
         **kwargs,
     ):
-        """HF-compatible entry point: renders with :func:`kimi_mlx.chat_format.render_chat_segments`
+        """HF-compatible entry point: renders with :func:`kimi_mlx.chat.format.render_chat_segments`
         in this tokenizer's chat format (Kimi Linear or Kimi-K3 XTML).
 
         Extra kwargs: ``chat_format`` (override the detected format);
@@ -626,7 +626,7 @@ class KimiTikTokenizer:
         ``enable_thinking`` work with both. Other template kwargs are ignored.
         ``tokenize=False`` returns a :class:`RenderedChat`.
         """
-        from . import chat_format
+        from .chat import format as chat_format
 
         if return_tensors is not None:
             raise ValueError(f"return_tensors={return_tensors!r} is not supported; convert the returned ids yourself")

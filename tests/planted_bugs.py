@@ -102,12 +102,12 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "sampling: ChatSession does not pass its sampling options on",
-        (("kimi_mlx/chat_session.py", "prompt_cache=self.cache, **self.sampling,", "prompt_cache=self.cache,"),),
+        (("kimi_mlx/chat/session.py", "prompt_cache=self.cache, **self.sampling,", "prompt_cache=self.cache,"),),
         ("tests/test_sampling.py::test_chat_session_passes_the_options",),
     ),
     PlantedBug(
         "sampling: ChatSession rejects logit_bias",
-        (("kimi_mlx/chat_session.py", '"logit_bias", "sampler"', '"sampler"'),),
+        (("kimi_mlx/chat/session.py", '"logit_bias", "sampler"', '"sampler"'),),
         ("tests/test_sampling.py::test_chat_session_passes_the_options",),
     ),
     PlantedBug(
@@ -221,13 +221,13 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "session rollback with no checkpoint zeroes the offsets instead of emptying the cache (stale KDA states)",
-        (("kimi_mlx/chat_session.py", "        else:\n            self.cache.reset()\n",
+        (("kimi_mlx/chat/session.py", "        else:\n            self.cache.reset()\n",
           "        else:\n            for c in self.cache:\n                c.offset = 0\n"),),
         ("tests/test_chat_session.py::test_changed_system_prompt",),
     ),
     PlantedBug(
         "session settle winds the offsets back after a cut-short model call (stale KDA states)",
-        (("kimi_mlx/chat_session.py", "            self._roll_back(len(self.tokens))\n",
+        (("kimi_mlx/chat/session.py", "            self._roll_back(len(self.tokens))\n",
           "            for c in self.cache:\n                c.offset = len(self.tokens)\n"),),
         ("tests/test_chat_session.py::test_ctrl_c_inside_a_model_call",),
     ),

@@ -8,7 +8,7 @@ import sys
 import pexpect
 import pytest
 
-from kimi_mlx.chat_session import ChatEvent, Turn, TurnStats
+from kimi_mlx.chat.session import ChatEvent, Turn, TurnStats
 from kimi_mlx.cli.chat import Repl
 
 STATS = re.compile(
@@ -197,7 +197,7 @@ def test_generate_chat_json(capsys):
     import mlx.core as mx
 
     from kimi_mlx import generate, load
-    from kimi_mlx.chat_format import render_chat
+    from kimi_mlx.chat.format import render_chat
 
     rc, out, _ = _generate(capsys, "--prompt", "Hi there", "--chat", "--system", "Be brief.", "-m", "8", "--json")
     assert rc == 0
@@ -229,7 +229,7 @@ def test_repl_context_full_message(monkeypatch):
     import mlx.core as mx
 
     from kimi_mlx import load
-    from kimi_mlx.chat_session import ChatSession
+    from kimi_mlx.chat.session import ChatSession
 
     model, tok = load("demo", dtype=mx.float32)
     probe = ChatSession(model, tok)

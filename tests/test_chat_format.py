@@ -1,4 +1,4 @@
-"""Chat formats (kimi_mlx.chat_format, kimi_mlx.chat_format_k3): the spec §3.2/§3.3 rendered examples character for
+"""Chat formats (kimi_mlx.chat.format, kimi_mlx.chat.format_k3): the spec §3.2/§3.3 rendered examples character for
 character and their ids, segment-aware encoding of typed markers, the multi-turn prefix-extension property, errors.
 
 Expected strings are the spec's examples (rendered there with llama.cpp's Jinja ports of the official templates);
@@ -11,7 +11,7 @@ import pytest
 from conftest import KL_FIXTURE
 from xtml_tokenizer import XTML_IDS, load_xtml_tokenizer
 
-from kimi_mlx.chat_format import (
+from kimi_mlx.chat.format import (
     K2_DEFAULT_SYSTEM,
     detect_chat_format,
     render_chat,
@@ -19,7 +19,7 @@ from kimi_mlx.chat_format import (
     render_chat_text,
     turn_end_id,
 )
-from kimi_mlx.chat_parser import parse_reply
+from kimi_mlx.chat.parser import parse_reply
 from kimi_mlx.tokenizer import load_kimi_tokenizer
 
 OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"

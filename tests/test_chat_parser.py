@@ -1,4 +1,4 @@
-"""Reply parser (kimi_mlx.chat_parser): the spec's observed K3 output, typed arguments, json blocks, a skipped think
+"""Reply parser (kimi_mlx.chat.parser): the spec's observed K3 output, typed arguments, json blocks, a skipped think
 closer, truncated streams, garbage (raw content + warning, never an exception), Kimi Linear tool calls, and
 streaming (any chunking gives the one-shot result; no half marker is ever shown)."""
 
@@ -7,7 +7,7 @@ import random
 import pytest
 from xtml_tokenizer import load_xtml_tokenizer
 
-from kimi_mlx.chat_parser import ReplyParser, parse_reply
+from kimi_mlx.chat.parser import ReplyParser, parse_reply
 
 TURN_END = "<|close|>message<|sep|>"
 # spec §3.3: observed greedy output after the thinking prompt, then the well-formed turn end

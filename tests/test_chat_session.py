@@ -12,8 +12,8 @@ from xtml_tokenizer import load_xtml_tokenizer
 
 from kimi_mlx import load
 from kimi_mlx.cache import KDACache
-from kimi_mlx.chat_format import render_chat
-from kimi_mlx.chat_session import ChatSession, ContextFullError
+from kimi_mlx.chat.format import render_chat
+from kimi_mlx.chat.session import ChatSession, ContextFullError
 from kimi_mlx.generate import stream_generate
 from kimi_mlx.prompt_cache import PromptCacheError, save_prompt_cache
 

@@ -356,7 +356,7 @@ def test_kimi_mlx_adapters_load_into_mlx_lm(kl_dir, tmp_path):
 def test_data_forms_and_prompt_mask(tmp_path):
     """text / prompt-completion / messages records; with --mask-prompt the prompt length is exactly the rendered
     prompt + generation prompt, so the loss covers the assistant's answer (and its end marker) only."""
-    from kimi_mlx.chat_format import render_chat
+    from kimi_mlx.chat.format import render_chat
     from kimi_mlx.tuner.datasets import load_datasets
 
     _, tok = load("demo")

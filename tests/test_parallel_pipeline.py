@@ -209,7 +209,7 @@ RANK_CHECKS = r"""
 import sys
 import mlx.core as mx
 import kimi_mlx
-from kimi_mlx.chat_session import ChatSession
+from kimi_mlx.chat.session import ChatSession
 from kimi_mlx.generate import batch_generate, stream_generate
 from kimi_mlx.parallel import param_bytes
 from kimi_mlx.parallel.pipeline import stages_of

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kimi_mlx import generate, load, stream_generate
-from kimi_mlx.chat_session import ChatSession
+from kimi_mlx.chat.session import ChatSession
 from kimi_mlx.generate import make_sampling
 
 LOGITS = np.array([3.0, 2.2, 1.9, 1.0, 0.3, -0.4, -1.5, -2.5])  # distinct and well apart: unambiguous supports

@@ -1,5 +1,5 @@
 """Tests for kimi_mlx.tokenizer (tiktoken-based Kimi tokenizer, no remote code)
-and kimi_mlx.chat_format (segment-aware Kimi Linear chat rendering)."""
+and kimi_mlx.chat.format (segment-aware Kimi Linear chat rendering)."""
 
 import json
 import shutil
@@ -10,7 +10,7 @@ from conftest import K3_FIXTURE as K3
 from conftest import KL_FIXTURE as KL
 from xtml_tokenizer import write_xtml_tokenizer_dir
 
-from kimi_mlx.chat_format import (
+from kimi_mlx.chat.format import (
     K2_DEFAULT_SYSTEM,
     default_system_from_template,
     render_kimi_linear,

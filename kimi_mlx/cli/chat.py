@@ -1,4 +1,4 @@
-"""``kimi-mlx chat``: an interactive terminal chat on top of ``kimi_mlx.chat_session.ChatSession``.
+"""``kimi-mlx chat``: an interactive terminal chat on top of ``kimi_mlx.chat.session.ChatSession``.
 
 Replies stream as they come; reasoning is dimmed (or hidden with ``--hide-reasoning``); tool calls are shown and their
 results typed in; a stats line follows every reply. Ctrl-C stops the current reply and keeps the session; Ctrl-D or
@@ -97,7 +97,7 @@ class Repl:
 
     def stream(self, events) -> None:
         """Print a streamed reply, then its stats line; Ctrl-C stops it (the partial reply is kept)."""
-        from ..chat_session import ContextFullError
+        from ..chat.session import ContextFullError
 
         shown = None
         try:
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, group) -> int:
-    from ..chat_session import ChatSession
+    from ..chat.session import ChatSession
     from ..parallel.health import RankError
     from ..prompt_cache import PromptCacheError
 

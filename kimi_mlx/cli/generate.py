@@ -149,7 +149,7 @@ def _prompt_tokens(args: argparse.Namespace, tokenizer, group: Optional[mx.distr
     _check_chat_flags(args)
     if not args.chat:
         return tokenizer.encode(prompt)
-    from ..chat_format import render_chat
+    from ..chat.format import render_chat
 
     messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
         {"role": "user", "content": prompt}]
@@ -210,8 +210,8 @@ def _run(args: argparse.Namespace, group: Optional[mx.distributed.Group]) -> int
     cache, feed = _prompt_cache(args, model, tokens) if args.prompt_cache else (None, tokens)
     parser = None
     if args.chat:
-        from ..chat_format import detect_chat_format
-        from ..chat_parser import ReplyParser
+        from ..chat.format import detect_chat_format
+        from ..chat.parser import ReplyParser
 
         fmt = args.chat_format or detect_chat_format(tokenizer)
         parser = ReplyParser(fmt, thinking=args.think)

@@ -6,7 +6,7 @@ record must have its keys):
 
 - ``{"text": ...}``: plain text, plus EOS;
 - ``{"prompt": ..., "completion": ...}``: rendered as a user turn and an assistant turn;
-- ``{"messages": [...], "tools": [...]?}``: a chat, rendered by ``kimi_mlx.chat_format.render_chat`` in the
+- ``{"messages": [...], "tools": [...]?}``: a chat, rendered by ``kimi_mlx.chat.format.render_chat`` in the
   model's format (Kimi Linear's, or K3's XTML with reasoning and tool calls).
 
 Items are ``(token ids, prompt length)`` like mlx-lm's datasets, so mlx-lm's ``iterate_batches`` (length-sorted
@@ -27,7 +27,7 @@ import random
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..chat_format import render_chat
+from ..chat.format import render_chat
 
 SPLITS = ("train", "valid", "test")
 

@@ -23,7 +23,7 @@ declaration. A run of tool results that all name their call by ``tool_call_id``
 is emitted in the order of the assistant's calls; ``index`` counts the results
 after each assistant message from 1.
 
-:func:`render_k3_segments` returns ``(segments, starts)``; :mod:`kimi_mlx.chat_format`
+:func:`render_k3_segments` returns ``(segments, starts)``; :mod:`kimi_mlx.chat.format`
 turns them into ids and implements the public API.
 """
 
@@ -65,7 +65,7 @@ RESPONSE_FORMAT_JSON_TEXT = (
 )
 RESPONSE_FORMAT_SCHEMA_TEXT = "\nThe JSON data must match the following schema:\n```json\n{schema}\n```"
 
-# (is_special, text), as in kimi_mlx.chat_format.Segment.
+# (is_special, text), as in kimi_mlx.chat.format.Segment.
 Segment = tuple[bool, str]
 
 

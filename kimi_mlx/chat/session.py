@@ -1,7 +1,7 @@
 """A multi-turn chat with one model cache: turns, cache reuse, regenerate/undo via checkpoints, save/load, stats.
 
 No terminal code here (``kimi_mlx.cli.chat`` is the REPL). The session keeps the conversation as OpenAI-style
-messages (``kimi_mlx.chat_format``) and the exact token history the cache has seen (``session.tokens``; invariant:
+messages (``kimi_mlx.chat.format``) and the exact token history the cache has seen (``session.tokens``; invariant:
 ``session.cache.offset == len(session.tokens)``). A new turn renders the whole conversation and prefills only what the
 cache has not seen:
 
@@ -34,10 +34,10 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from .chat_format import detect_chat_format, render_chat
-from .chat_parser import ReplyEvent, ReplyParser
-from .generate import stream_generate
-from .prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
+from .format import detect_chat_format, render_chat
+from .parser import ReplyEvent, ReplyParser
+from ..generate import stream_generate
+from ..prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
 
 SESSION_KEY = "chat_session"  # prompt-cache file metadata key holding the session as JSON
 STOP_MARKERS = {"kimi_linear": "<|im_end|>", "kimi_k3": "<|end_of_msg|>"}

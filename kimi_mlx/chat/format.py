@@ -21,7 +21,7 @@ Messages are OpenAI-style dicts: ``role`` (system/user/assistant/tool),
 optional ``name``; assistant messages may carry ``reasoning_content`` (K3; kept
 in history, as K3 requires) and ``tool_calls`` (``[{"id", "function": {"name",
 "arguments"}}]``, arguments a dict or a JSON string); tool results carry
-``tool_call_id`` (or ``name``/``tool``). :meth:`kimi_mlx.chat_parser.Reply.to_message`
+``tool_call_id`` (or ``name``/``tool``). :meth:`kimi_mlx.chat.parser.Reply.to_message`
 turns a parsed reply into such an assistant message.
 
 Kimi Linear (spec §3.2, K2-Instruct)::
@@ -35,7 +35,7 @@ Kimi Linear (spec §3.2, K2-Instruct)::
     <|im_system|>tool<|im_middle|>## Return of {tool_call_id}\\n{content}<|im_end|>
     [<|im_assistant|>assistant<|im_middle|>]                          # add_generation_prompt
 
-Kimi-K3 XTML (spec §3.3): see :mod:`kimi_mlx.chat_format_k3`. ``thinking``
+Kimi-K3 XTML (spec §3.3): see :mod:`kimi_mlx.chat.format_k3`. ``thinking``
 defaults to True (generation prompt ends inside ``<|open|>think<|sep|>``),
 ``thinking_effort`` to ``"max"`` (low/high/max).
 
@@ -74,7 +74,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .chat_format_k3 import DEFAULT_THINKING_EFFORT, END_OF_MSG, XTML_MARKERS, render_k3_segments
+from .format_k3 import DEFAULT_THINKING_EFFORT, END_OF_MSG, XTML_MARKERS, render_k3_segments
 
 __all__ = [
     "CHAT_FORMATS",

@@ -15,7 +15,7 @@ closing marker arrives.
 
 Initial state (where the generation prompt left the model):
 
-* ``"kimi_k3"``: :func:`kimi_mlx.chat_format.render_chat` ends the prompt with
+* ``"kimi_k3"``: :func:`kimi_mlx.chat.format.render_chat` ends the prompt with
   ``<|open|>think<|sep|>`` when ``thinking`` (its default) and with
   ``<|open|>response<|sep|>`` otherwise, so ``ReplyParser("kimi_k3",
   thinking=True)`` (the default) starts in the reasoning channel and
@@ -40,7 +40,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .chat_format import (
+from .format import (
     CHAT_FORMATS,
     IM_END,
     TOOL_CALL_ARG_BEGIN,
@@ -49,7 +49,7 @@ from .chat_format import (
     TOOL_CALLS_BEGIN,
     TOOL_CALLS_END,
 )
-from .chat_format_k3 import CLOSE, END_OF_MSG, OPEN, SEP, unescape_attr
+from .format_k3 import CLOSE, END_OF_MSG, OPEN, SEP, unescape_attr
 
 __all__ = ["Reply", "ReplyEvent", "ReplyParser", "ToolCall", "parse_reply"]
 
@@ -108,7 +108,7 @@ class Reply:
     complete: bool = False
 
     def to_message(self) -> dict:
-        """The assistant message for the conversation history (what :func:`kimi_mlx.chat_format.render_chat`
+        """The assistant message for the conversation history (what :func:`kimi_mlx.chat.format.render_chat`
         takes): ``role``, ``content``, ``reasoning_content`` (when any), ``tool_calls`` (when any)."""
         msg: dict = {"role": "assistant", "content": self.content}
         if self.reasoning:
@@ -213,7 +213,7 @@ class ReplyParser:
     """Streaming reply parser; see the module docstring for the grammar and the initial state.
 
     ``thinking``: Kimi-K3 only, whether the generation prompt opened ``think``
-    (``None`` -> True, :func:`kimi_mlx.chat_format.render_chat`'s default).
+    (``None`` -> True, :func:`kimi_mlx.chat.format.render_chat`'s default).
     """
 
     def __init__(self, chat_format: str, *, thinking: bool | None = None):

@@ -1,0 +1,2 @@
+"""``kimi-mlx serve``: an OpenAI- and Anthropic-compatible HTTP server with a cross-request prefix cache and
+continuous batching."""
