@@ -20,6 +20,7 @@ from pathlib import Path
 
 
 from . import ranks
+from ..parallel.comm import broadcast_text
 from .generate import add_chat_args, add_model_args, add_sampling_args, load_from_args, sampling_from_args
 
 HELP = """commands:
@@ -86,7 +87,7 @@ class Repl:
                 line = input(prompt)
             except EOFError:
                 line = None
-        line = ranks.broadcast_text(line, self.group)
+        line = broadcast_text(line, self.group)
         if line is None:
             raise EOFError
         return line

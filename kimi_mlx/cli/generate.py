@@ -16,6 +16,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import ranks
+from ..parallel.comm import broadcast_text
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -145,7 +146,7 @@ def _prompt_tokens(args: argparse.Namespace, tokenizer, group: Optional[mx.distr
     if prompt == "-":  # under --parallel rank 0 reads stdin and hands the text to the others
         prompt = sys.stdin.read() if ranks.rank(group) == 0 else None
         if ranks.is_parallel(group):
-            prompt = ranks.broadcast_text(prompt, group)
+            prompt = broadcast_text(prompt, group)
     _check_chat_flags(args)
     if not args.chat:
         return tokenizer.encode(prompt)

@@ -16,12 +16,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
-import numpy as np
 
-from ..parallel import MODES, comm
-
-EOF = -1  # broadcast_text's length for "no text" (end of input)
-
+from ..parallel import MODES
+from ..parallel.comm import broadcast_int
 
 def group_from_args(args: argparse.Namespace) -> Optional[mx.distributed.Group]:
     """The group for ``--parallel`` (``mx.distributed.init()``), None without it (one process: today's behaviour,
@@ -111,27 +108,6 @@ def report_error(e: BaseException, group: Optional[mx.distributed.Group]) -> int
     where = f"rank {group.rank()}: " if rank(group) else ""
     print(f"kimi-mlx: error: {where}{e}", file=sys.stderr, flush=True)
     return 2
-
-
-def broadcast_int(value: Optional[int], group: mx.distributed.Group) -> int:
-    """Rank 0's ``value`` on every rank (the others pass anything, e.g. None)."""
-    mine = int(value) if group.rank() == 0 else 0
-    return int(comm.all_sum(mx.array([mine], dtype=mx.int64), group).item())
-
-
-def broadcast_text(text: Optional[str], group: mx.distributed.Group) -> Optional[str]:
-    """Rank 0's ``text`` (None: end of input) on every rank: its UTF-8 length (``EOF`` for None), then its bytes,
-    each as an ``all_sum`` to which the other ranks add zeros. Every rank must call it (the others' ``text`` is
-    ignored)."""
-    data = text.encode("utf-8") if group.rank() == 0 and text is not None else b""
-    n = broadcast_int(EOF if group.rank() == 0 and text is None else len(data), group)
-    if n == EOF:
-        return None
-    if n == 0:
-        return ""
-    mine = np.frombuffer(data, np.uint8).astype(np.int32) if group.rank() == 0 else np.zeros(n, np.int32)
-    out = np.array(comm.all_sum(mx.array(mine), group))
-    return out.astype(np.uint8).tobytes().decode("utf-8")
 
 
 def shared_seed(seed: Optional[int], group: mx.distributed.Group) -> int:

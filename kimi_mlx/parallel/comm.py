@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 
 @functools.cache
@@ -62,3 +64,27 @@ def recv(shape: tuple, dtype: mx.Dtype, src: int, group: mx.distributed.Group) -
     out = mx.distributed.recv(shape, dtype, src, group=group, stream=comm_stream())
     TRAFFIC.add("recv", out.nbytes)
     return out
+
+
+EOF = -1  # broadcast_text's length for "no text" (end of input)
+
+
+def broadcast_int(value: Optional[int], group: mx.distributed.Group) -> int:
+    """Rank 0's ``value`` on every rank (the others pass anything, e.g. None)."""
+    mine = int(value) if group.rank() == 0 else 0
+    return int(all_sum(mx.array([mine], dtype=mx.int64), group).item())
+
+
+def broadcast_text(text: Optional[str], group: mx.distributed.Group) -> Optional[str]:
+    """Rank 0's ``text`` (None: end of input) on every rank: its UTF-8 length (``EOF`` for None), then its bytes,
+    each as an ``all_sum`` to which the other ranks add zeros. Every rank must call it (the others' ``text`` is
+    ignored)."""
+    data = text.encode("utf-8") if group.rank() == 0 and text is not None else b""
+    n = broadcast_int(EOF if group.rank() == 0 and text is None else len(data), group)
+    if n == EOF:
+        return None
+    if n == 0:
+        return ""
+    mine = np.frombuffer(data, np.uint8).astype(np.int32) if group.rank() == 0 else np.zeros(n, np.int32)
+    out = np.array(all_sum(mx.array(mine), group))
+    return out.astype(np.uint8).tobytes().decode("utf-8")
