@@ -21,6 +21,10 @@ cannot be trimmed, so ``cache.checkpoint()`` snapshots every KDA layer's conv + 
 
 Restoring drops the checkpoints taken after ``cp`` (the MLA positions they cover are overwritten by what comes next);
 only the last ``max_checkpoints`` are kept (older ones are released and cannot be restored).
+
+For serving many sequences: ``cache.snapshot(row)`` copies one sequence's whole cache out (a ``CacheSnapshot``, to
+keep across requests), ``cache_from_snapshot(snap)`` makes a fresh cache from it, ``merge_caches(caches)`` stacks
+caches into one left-padded batch, and ``cache.filter(rows)`` keeps some rows of a batch.
 """
 
 from __future__ import annotations
@@ -155,6 +159,24 @@ class CacheCheckpoint:
         return sum(a.nbytes for s in self.kda_states if s for a in s if a is not None)
 
 
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """One sequence's whole cache after ``offset`` tokens, without left padding (see ``HybridCache.snapshot``).
+
+    kda_layers: per layer, whether it is a KDA layer. states: per layer, ``(conv_state [1, K-1, C],
+    recurrent_state [1, H, Dv, Dk])`` for KDA layers, ``(kv_latent [1, 1, offset, r], k_pe [1, 1, offset, dr])``
+    for MLA layers; ``(None, None)`` while the layer is empty (offset 0).
+    """
+
+    offset: int
+    kda_layers: tuple
+    states: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for s in self.states for a in s if a is not None)
+
+
 _cache_ids = itertools.count()
 
 
@@ -214,6 +236,55 @@ class HybridCache(list):
                 c.offset = cp.offset
         self.checkpoints = [k for k in self.checkpoints if k.serial <= cp.serial]
 
+    def snapshot(self, row: int = 0) -> CacheSnapshot:
+        """Row ``row`` of this (possibly left-padded) batch cache as a ``CacheSnapshot``, its padding dropped.
+
+        The arrays are evaluated copies: the snapshot does not keep the cache's buffers alive, and later writes to
+        the cache cannot reach it.
+        """
+        offset = _common_offset(self, "snapshot")
+        rows = _rows(self)
+        if not 0 <= row < rows:
+            raise IndexError(f"row {row} out of range for a cache of {rows} rows")
+        pad = int(self[0].left_padding[row].item()) if self[0].left_padding is not None else 0
+        pad = min(pad, offset)
+        states = []
+        for c in self:
+            if isinstance(c, KDACache):
+                # one row's KDA state is the whole array (never written in place): shared, not copied
+                pair = (c.conv_state, c.recurrent_state)
+                states.append(tuple(a if a is None or rows == 1 else _copy(a[row : row + 1]) for a in pair))
+            elif c.kv_latent is None or offset == pad:
+                states.append((None, None))
+            else:
+                states.append(tuple(_copy(a[row : row + 1, :, pad:offset]) for a in (c.kv_latent, c.k_pe)))
+        mx.eval([a for s in states for a in s if a is not None])
+        return CacheSnapshot(offset - pad, tuple(isinstance(c, KDACache) for c in self), tuple(states))
+
+    def filter(self, rows: list[int]) -> None:
+        """Keep ``rows`` of the batch (in that order), in place; drop the left padding all kept rows share.
+
+        The checkpoints are dropped (they hold every row's states).
+        """
+        n = _rows(self)
+        if not rows or any(not 0 <= r < n for r in rows):
+            raise IndexError(f"rows {rows} must be a non-empty list of rows of a cache of {n} rows")
+        offset = _common_offset(self, "filter")
+        idx = mx.array(rows)
+        pad = self[0].left_padding
+        kept = [int(p) for p in pad[idx].tolist()] if pad is not None else [0] * len(rows)
+        drop = min(min(kept), offset)
+        left_padding = _padding([p - drop for p in kept])
+        for c in self:
+            if isinstance(c, KDACache):
+                pair = (c.conv_state, c.recurrent_state)
+                c.conv_state, c.recurrent_state = (None if a is None else a[idx] for a in pair)
+            elif c.kv_latent is not None:
+                c.kv_latent, c.k_pe = (a[idx, :, drop:offset] for a in (c.kv_latent, c.k_pe))
+            c.offset = offset - drop
+            c.left_padding = left_padding
+        self.checkpoints = []
+
     def reset(self) -> None:
         """Empty every layer and drop all checkpoints."""
         for i, c in enumerate(self):
@@ -239,3 +310,99 @@ def make_cache(
         pad = mx.array(left_padding, dtype=mx.int32)
     layers = [KDACache(pad) if is_kda else MLALatentCache(pad) for is_kda in kda_layers]
     return HybridCache(layers, max_checkpoints)
+
+
+def cache_from_snapshot(snap: CacheSnapshot, max_checkpoints: int = 8) -> HybridCache:
+    """A fresh one-sequence cache holding exactly ``snap`` (the layout of ``model.make_cache()``)."""
+    layers = []
+    for is_kda, (a, b) in zip(snap.kda_layers, snap.states):
+        c = KDACache() if is_kda else MLALatentCache()
+        if is_kda:
+            c.conv_state, c.recurrent_state = a, b
+        elif a is not None:
+            # new array objects: MLX's slice assignment (update_and_fetch after a trim) rewrites its target in place
+            c.kv_latent, c.k_pe = mx.array(a), mx.array(b)
+        c.offset = snap.offset
+        layers.append(c)
+    return HybridCache(layers, max_checkpoints)
+
+
+def merge_caches(caches: list[HybridCache]) -> HybridCache:
+    """Stack the rows of ``caches`` (in order; each may hold B >= 1 left-padded rows) into one left-padded batch.
+
+    The result is at the largest offset; a shorter cache's rows get that many more pad positions in front (zero
+    MLA latents, hidden by the mask). An empty KDA state (a cache at offset 0) becomes zeros, which is what a KDA
+    layer starts from. Every array is copied (cost: the whole batch's cache).
+    """
+    if not caches:
+        raise ValueError("merge_caches needs at least one cache")
+    kinds = [tuple(isinstance(c, KDACache) for c in cache) for cache in caches]
+    if len(set(kinds)) > 1:
+        raise ValueError("cannot merge caches of different layer layouts")
+    offsets = [_common_offset(cache, "merge") for cache in caches]
+    offset = max(offsets)
+    sizes = [_rows(cache) for cache in caches]
+    pads = []
+    for cache, o, n in zip(caches, offsets, sizes):
+        own = cache[0].left_padding.tolist() if cache and cache[0].left_padding is not None else [0] * n
+        pads += [p + offset - o for p in own]
+    left_padding = _padding(pads)
+    layers = []
+    for i, is_kda in enumerate(kinds[0]):
+        parts = [cache[i] for cache in caches]
+        c = KDACache(left_padding) if is_kda else MLALatentCache(left_padding)
+        if is_kda:
+            c.conv_state = _stack([p.conv_state for p in parts], sizes)
+            c.recurrent_state = _stack([p.recurrent_state for p in parts], sizes)
+        elif offset > 0:
+            c.kv_latent, c.k_pe = (
+                _stack([_pad_front(p.state[j] if p.state else None, offset - o) for p, o in zip(parts, offsets)], sizes)
+                for j in range(2)
+            )
+        c.offset = offset
+        layers.append(c)
+    return HybridCache(layers, caches[0].max_checkpoints)
+
+
+def _common_offset(cache: HybridCache, what: str) -> int:
+    offsets = {c.offset for c in cache}
+    if len(offsets) > 1:
+        raise ValueError(f"cache layers disagree on the offset ({sorted(offsets)}); cannot {what}")
+    return cache.offset
+
+
+def _rows(cache: HybridCache) -> int:
+    """Batch size of ``cache``: from its states, else its left padding, else 1 (an empty unpadded cache)."""
+    for c in cache:
+        for a in c.state:
+            return a.shape[0]
+    if cache and cache[0].left_padding is not None:
+        return cache[0].left_padding.shape[0]
+    return 1
+
+
+def _padding(pads: list[int]) -> Optional[mx.array]:
+    return mx.array(pads, dtype=mx.int32) if any(p > 0 for p in pads) else None
+
+
+def _copy(a: mx.array) -> mx.array:
+    """A copy of a slice that does not share (and so keep alive) the sliced buffer."""
+    return mx.contiguous(a)
+
+
+def _pad_front(a: Optional[mx.array], n: int) -> Optional[mx.array]:
+    """``[B, 1, T, d]`` -> ``[B, 1, n + T, d]`` with n zero positions in front."""
+    if a is None or n == 0:
+        return a
+    return mx.concatenate([mx.zeros((*a.shape[:2], n, a.shape[3]), a.dtype), a], axis=2)
+
+
+def _stack(arrays: list[Optional[mx.array]], sizes: list[int]) -> Optional[mx.array]:
+    """Concatenate along the batch axis; a None part (an empty cache of ``sizes[i]`` rows) becomes zeros shaped
+    like the others."""
+    like = next((a for a in arrays if a is not None), None)
+    if like is None:
+        return None
+    return mx.concatenate(
+        [a if a is not None else mx.zeros((n, *like.shape[1:]), like.dtype) for a, n in zip(arrays, sizes)]
+    )

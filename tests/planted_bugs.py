@@ -290,6 +290,35 @@ BUGS: tuple[PlantedBug, ...] = (
           "        blocks.raw = blocks.inv_rms = None"),),
         ("tests/test_parallel_pipeline.py::test_two_ranks_match_one_process",),
     ),
+    # -- server caches (issue 13)
+    PlantedBug(
+        "server cache: merge_caches puts a shorter cache's zero MLA latents after its positions, not in front",
+        (("kimi_mlx/cache.py", "mx.concatenate([mx.zeros((*a.shape[:2], n, a.shape[3]), a.dtype), a], axis=2)",
+          "mx.concatenate([a, mx.zeros((*a.shape[:2], n, a.shape[3]), a.dtype)], axis=2)"),),
+        ("tests/test_cache_merge.py::test_merge_then_decode_matches_each_row_alone",),
+    ),
+    PlantedBug(
+        "server cache: merge_caches does not record the padding it adds in front of shorter caches",
+        (("kimi_mlx/cache.py", "        pads += [p + offset - o for p in own]", "        pads += own"),),
+        ("tests/test_cache_merge.py::test_merge_then_decode_matches_each_row_alone",),
+    ),
+    PlantedBug(
+        "server cache: HybridCache.filter drops the shared padding positions but keeps counting them as padding",
+        (("kimi_mlx/cache.py", "left_padding = _padding([p - drop for p in kept])", "left_padding = _padding(kept)"),),
+        ("tests/test_cache_merge.py::test_filter_then_decode_continues_exactly",),
+    ),
+    PlantedBug(
+        "server cache: cache_from_snapshot hands the snapshot's own MLA arrays to the cache (a write after a trim "
+        "alters the snapshot)",
+        (("kimi_mlx/cache.py", "c.kv_latent, c.k_pe = mx.array(a), mx.array(b)", "c.kv_latent, c.k_pe = a, b"),),
+        ("tests/test_cache_merge.py::test_snapshot_is_independent_of_its_caches",),
+    ),
+    PlantedBug(
+        "prefix cache: eviction is plain LRU (system entries not kept longest)",
+        (("kimi_mlx/server/prefix_cache.py", "key=lambda e: (e.kind == \"system\", e.last_used)",
+          "key=lambda e: e.last_used"),),
+        ("tests/test_prefix_cache.py::test_budget_evicts_least_recently_used_with_system_last",),
+    ),
 )
 
 
