@@ -1,0 +1,451 @@
+"""Continuous batching over one model: requests join a shared decode batch between steps and leave when done.
+
+One engine thread owns the model and the caches. Each loop turn it
+1. takes new requests and cancellations (``submit`` / ``RequestStream.cancel`` from any thread);
+2. prefills waiting requests, up to ``prefill_chunk`` tokens per turn in all, each in its own one-row cache that
+   starts from the longest prefix-cache snapshot of its prompt (``PrefixCache``); snapshots are taken at message
+   boundaries, at the end of the system prompt and every ``checkpoint_interval`` tokens;
+3. a request whose prompt (all but its last token) is in its cache joins the batch (``merge_caches``: rows
+   left-padded to a common length); its last prompt token is its first decode input;
+4. runs one decode step for the whole batch ``[B, 1]`` and samples each row with its own settings
+   (``RowSampler``); finished and cancelled rows leave (``HybridCache.filter``), a finished row's cache becomes a
+   "reply" snapshot, so the next turn of the conversation starts from it.
+
+So running streams keep flowing while new prompts prefill in chunks. The scheduler deals in token ids only; text,
+stop strings and chat formats belong to the HTTP layer.
+
+Distributed (``group`` of a ``--parallel`` model): every rank runs the engine loop in lockstep; only rank 0 takes
+requests. Each turn starts with rank 0's plan (``_Plan``: requests admitted with their resolved seed and the prefix
+snapshot to start from, requests cancelled, snapshots evicted), broadcast as JSON; every decision that could differ
+between ranks is rank 0's, and the sampled tokens are rank 0's too (broadcast every step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator, Optional, Union
+
+import mlx.core as mx
+
+from ..cache import HybridCache, cache_from_snapshot, merge_caches
+from ..parallel import comm
+from .prefix_cache import PrefixCache
+from .sampling import RowSampler, SamplingParams, top_logprobs
+
+__all__ = ["FinishEvent", "GenerationRequest", "QueueFullError", "RequestStream", "SamplingParams", "Scheduler",
+           "TokenEvent"]
+
+
+@dataclass
+class GenerationRequest:
+    """tokens: the whole prompt (validated by the caller: non-empty, ids < vocab). stop_token_ids: generation stops
+    after one of them (it is reported). top_logprobs: None none, 0 the chosen token's, k also the k most likely.
+    boundaries: prompt positions that end a message (snapshot points); system_end: end of the system prompt and
+    tool declarations (a snapshot shared across conversations), 0 for none."""
+
+    tokens: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset = frozenset()
+    top_logprobs: Optional[int] = None
+    boundaries: tuple = ()
+    system_end: int = 0
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    logprob: Optional[float] = None
+    top_logprobs: Optional[list] = None  # [(token id, logprob)], most likely first
+
+
+@dataclass
+class FinishEvent:
+    """reason: "stop" (the last token was a stop token), "length", "cancelled" or "error" (``error`` says what)."""
+
+    reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    error: Optional[str] = None
+
+
+Event = Union[TokenEvent, FinishEvent]
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than ``max_queue``; ``retry_after`` seconds is a guess of when a slot frees."""
+
+    def __init__(self, waiting: int, retry_after: float):
+        super().__init__(f"server busy: {waiting} requests are waiting; retry in {retry_after:.0f} s")
+        self.retry_after = retry_after
+
+
+class RequestStream:
+    """The events of one request, readable from a thread (``for ev in stream``) or an event loop (``async for``).
+
+    cached_tokens: prompt tokens taken from the prefix cache (set before the first event is delivered).
+    """
+
+    def __init__(self, request: GenerationRequest, loop: Optional[asyncio.AbstractEventLoop], silent: bool = False):
+        self.request = request
+        self.cached_tokens = 0
+        self.cancelled = False
+        self.submitted = time.perf_counter()
+        self._silent = silent  # a non-zero rank's copy: nobody reads its events
+        self._events: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._loop = loop
+        self._ready = asyncio.Event() if loop is not None else None
+
+    def cancel(self) -> None:
+        """Stop generating (within one step); the stream ends with a "cancelled" FinishEvent. Idempotent."""
+        self.cancelled = True
+
+    def _put(self, event: Event) -> None:
+        if self._silent:
+            return
+        with self._cond:
+            self._events.append(event)
+            self._cond.notify()
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._ready.set)
+            except RuntimeError:  # the client's event loop is gone: nobody is listening
+                self.cancelled = True
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            with self._cond:
+                while not self._events:
+                    self._cond.wait()
+                event = self._events.popleft()
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        if self._ready is None:
+            raise RuntimeError("this stream was submitted outside an event loop: iterate it with `for`")
+        while True:
+            while self._events:
+                event = self._events.popleft()
+                yield event
+                if isinstance(event, FinishEvent):
+                    return
+            self._ready.clear()
+            if not self._events:
+                await self._ready.wait()
+
+
+def _request_to_json(req: GenerationRequest) -> dict:
+    d = {k: getattr(req, k) for k in ("tokens", "max_tokens", "top_logprobs", "boundaries", "system_end")}
+    d["stop_token_ids"] = sorted(req.stop_token_ids)
+    d["sampling"] = dict(vars(req.sampling))
+    if req.sampling.logit_bias:
+        d["sampling"]["logit_bias"] = [[int(t), float(b)] for t, b in req.sampling.logit_bias.items()]
+    return d
+
+
+def _request_from_json(d: dict) -> GenerationRequest:
+    sampling = dict(d["sampling"])
+    if sampling.get("logit_bias"):
+        sampling["logit_bias"] = {int(t): b for t, b in sampling["logit_bias"]}
+    return GenerationRequest(d["tokens"], d["max_tokens"], SamplingParams(**sampling), frozenset(d["stop_token_ids"]),
+                             d["top_logprobs"], tuple(d["boundaries"]), d["system_end"])
+
+
+@dataclass
+class _Plan:
+    """What every rank does this turn: admit these requests (id, request, prefix entry id or None), drop the
+    cancelled ids, remove evicted prefix snapshots, or stop serving."""
+
+    admit: list = field(default_factory=list)
+    cancel: list = field(default_factory=list)
+    evict: list = field(default_factory=list)
+    stop: bool = False
+
+    def empty(self) -> bool:
+        return not (self.admit or self.cancel or self.evict or self.stop)
+
+
+@dataclass
+class _Row:
+    """A request inside the engine: its stream, its one-row cache while prefilling, its sampler."""
+
+    id: int
+    stream: RequestStream
+    sampler: RowSampler
+    cache: Optional[HybridCache] = None
+    done: int = 0  # prompt tokens in the cache (prefill progress)
+    stops: dict = field(default_factory=dict)  # prompt position -> snapshot kind taken there
+    next_input: int = 0
+    generated: list = field(default_factory=list)
+    cancelled: bool = False  # decided in a plan (the stream's flag is set from any thread, at any time)
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.stream.request
+
+
+class Scheduler:
+    """Continuous batching for ``model`` (see the module doc).
+
+    max_batch: rows decoded together; max_queue: requests waiting beyond those; prompt_cache_bytes: the prefix
+    cache's byte budget (0 disables it); prefill_chunk: prompt tokens prefilled per loop turn; checkpoint_interval:
+    snapshot spacing inside long prompts (0: only at message boundaries); group: the model's distributed group.
+    """
+
+    def __init__(self, model, *, max_batch: int = 16, max_queue: int = 64, prompt_cache_bytes: int = 2 << 30,
+                 prefill_chunk: int = 512, checkpoint_interval: int = 4096,
+                 group: Optional[mx.distributed.Group] = None):
+        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or checkpoint_interval < 0:
+            raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue and checkpoint_interval >= 0")
+        self.model = model
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.prefill_chunk, self.checkpoint_interval = prefill_chunk, checkpoint_interval
+        self.group = group if group is not None and group.size() > 1 else None
+        self.leader = self.group is None or self.group.rank() == 0
+        self.prefix_cache = None
+        if prompt_cache_bytes > 0:  # the other ranks drop what rank 0 evicts, when it says so
+            self.prefix_cache = PrefixCache(prompt_cache_bytes if self.leader else None)
+        self._inbox: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._ids = iter(range(1 << 62))
+        self._waiting: list[_Row] = []  # admitted, prefilling
+        self._running: list[_Row] = []  # in the decode batch, row i of self._batch
+        self._batch: Optional[HybridCache] = None
+        self._evicted: list[int] = []
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self._finished = 0
+        self._durations = collections.deque(maxlen=64)  # seconds per finished request, for Retry-After
+
+    # ---- any thread -------------------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue ``request``; its events arrive on the returned stream. Raises QueueFullError when full."""
+        if not self.leader:
+            raise RuntimeError("requests go to rank 0")
+        waiting = len(self._inbox) + len(self._waiting) + len(self._running) - self.max_batch
+        if waiting >= self.max_queue:
+            typical = sorted(self._durations)[len(self._durations) // 2] if self._durations else 1.0
+            raise QueueFullError(waiting, max(1.0, typical))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        stream = RequestStream(request, loop)
+        self._inbox.append(stream)
+        self._wake.set()
+        return stream
+
+    def start(self) -> "Scheduler":
+        """Run the engine loop on a thread (rank 0); see ``serve`` for the other ranks."""
+        self._thread = threading.Thread(target=self.serve, name="kimi-mlx-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Finish serving: requests in flight end with an "error" event; every rank's loop returns."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def stats(self) -> dict:
+        return {"running": len(self._running), "prefilling": len(self._waiting), "queued": len(self._inbox),
+                "finished": self._finished,
+                "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None}
+
+    # ---- the engine loop --------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """The engine loop, until ``stop()`` (rank 0) or rank 0's stop plan (the other ranks, which call this)."""
+        while True:
+            if self.leader and not (self._inbox or self._waiting or self._running or self._stopping):
+                self._wake.wait(0.05)
+                self._wake.clear()
+            plan = self._share(self._plan() if self.leader else None)
+            if plan.stop:
+                break
+            self._apply(plan)
+            try:
+                self._prefill()
+                self._decode()
+            except Exception as e:  # noqa: BLE001 - report to every request in flight, keep serving
+                self._fail_all(f"{type(e).__name__}: {e}")
+        self._fail_all("server shutting down")
+
+    def _plan(self) -> _Plan:
+        """Rank 0's decisions for this turn."""
+        plan = _Plan(cancel=[r.id for r in self._waiting + self._running if r.stream.cancelled and not r.cancelled],
+                     evict=self._evicted, stop=self._stopping)
+        self._evicted = []
+        free = self.max_batch - len(self._waiting) - len(self._running)
+        while self._inbox and free > 0:
+            stream = self._inbox.popleft()
+            req = stream.request
+            if stream.cancelled:
+                stream._put(FinishEvent("cancelled", len(req.tokens), 0, 0))
+                continue
+            if req.sampling.seed is None:
+                req.sampling.seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+            entry = (self.prefix_cache.lookup(req.tokens, limit=len(req.tokens) - 1)
+                     if self.prefix_cache is not None else None)
+            plan.admit.append((next(self._ids), stream, entry.id if entry is not None else None))
+            free -= 1
+        return plan
+
+    def _share(self, plan: Optional[_Plan]) -> _Plan:
+        """Rank 0's plan on every rank (one broadcast; none without a group)."""
+        if self.group is None:
+            return plan
+        text = None
+        if plan is not None and not plan.empty():
+            text = json.dumps({"admit": [(i, _request_to_json(s.request), e) for i, s, e in plan.admit],
+                               "cancel": plan.cancel, "evict": plan.evict, "stop": plan.stop})
+        text = comm.broadcast_text(text if self.leader else None, self.group)
+        if self.leader:
+            return plan
+        if text is None:
+            return _Plan()
+        d = json.loads(text)
+        admit = [(i, RequestStream(_request_from_json(r), None, silent=True), e) for i, r, e in d["admit"]]
+        return _Plan(admit, d["cancel"], d["evict"], d["stop"])
+
+    def _apply(self, plan: _Plan) -> None:
+        if self.prefix_cache is not None and plan.evict and not self.leader:
+            self.prefix_cache.remove(plan.evict)
+        for row in self._waiting + self._running:
+            if row.id in plan.cancel:
+                row.cancelled = True
+        for rid, stream, entry_id in plan.admit:
+            self._waiting.append(self._start(rid, stream, entry_id))
+
+    def _start(self, rid: int, stream: RequestStream, entry_id: Optional[int]) -> _Row:
+        """A row for ``stream``: its cache from prefix snapshot ``entry_id`` (or empty), and its snapshot points."""
+        req = stream.request
+        prompt = req.tokens
+        row = _Row(rid, stream, RowSampler(req.sampling, prompt))
+        if entry_id is not None:
+            entry = self.prefix_cache.get(entry_id)
+            row.cache, row.done = cache_from_snapshot(entry.snapshot), entry.length
+        else:
+            row.cache = self.model.make_cache()
+        stream.cached_tokens = row.done
+        stops = {p: "message" for p in req.boundaries}
+        if self.checkpoint_interval:
+            for p in range(self.checkpoint_interval, len(prompt), self.checkpoint_interval):
+                stops.setdefault(p, "interval")
+        if req.system_end:
+            stops[req.system_end] = "system"
+        stops.setdefault(len(prompt) - 1, "message")
+        row.stops = {p: k for p, k in stops.items() if row.done < p < len(prompt)}
+        row.next_input = prompt[-1]
+        return row
+
+    def _snapshot(self, tokens: list[int], cache: HybridCache, row: int, kind: str) -> None:
+        if self.prefix_cache is not None:
+            _, evicted = self.prefix_cache.insert(tokens, cache.snapshot(row), kind)
+            self._evicted += evicted
+
+    def _prefill(self) -> None:
+        """Prefill waiting rows, up to ``prefill_chunk`` tokens in all; rows whose prompt is in join the batch."""
+        budget = self.prefill_chunk
+        for row in list(self._waiting):
+            if row.cancelled:
+                self._waiting.remove(row)
+                self._finish(row, "cancelled")
+                continue
+            prompt, end = row.request.tokens, len(row.request.tokens) - 1
+            while row.done < end and budget > 0:
+                stop = min((p for p in row.stops if p > row.done), default=end)
+                n = min(stop - row.done, budget)
+                self.model(mx.array(prompt[row.done : row.done + n])[None], cache=row.cache)
+                mx.eval([c.state for c in row.cache])
+                row.done += n
+                budget -= n
+                if row.done in row.stops:
+                    self._snapshot(prompt[: row.done], row.cache, 0, row.stops[row.done])
+            if row.done == end:
+                self._waiting.remove(row)
+                self._batch = row.cache if self._batch is None else merge_caches([self._batch, row.cache])
+                row.cache = None
+                self._running.append(row)
+            if budget <= 0:
+                break
+
+    def _decode(self) -> None:
+        """One decode step for every running row; emits a token per row, retires the finished ones."""
+        self._retire([r for r in self._running if r.cancelled], "cancelled")
+        if not self._running:
+            return
+        inputs = mx.array([[r.next_input] for r in self._running])
+        logits = self.model(inputs, cache=self._batch)[:, -1]
+        lps = [row.sampler.logprobs(logits[i : i + 1]) for i, row in enumerate(self._running)]
+        tokens = mx.concatenate([row.sampler.draw(lp) for row, lp in zip(self._running, lps)]).astype(mx.int32)
+        if self.group is not None:  # rank 0's draws everywhere
+            tokens = comm.all_sum(tokens if self.leader else mx.zeros_like(tokens), self.group)
+        mx.eval(tokens)
+        done = {"stop": [], "length": []}
+        for row, token, lp in zip(self._running, tokens.tolist(), lps):
+            row.sampler.record(token)
+            row.generated.append(token)
+            row.next_input = token
+            if self.leader:
+                row.stream._put(self._token_event(row, token, lp[0]))
+            if token in row.request.stop_token_ids:
+                done["stop"].append(row)
+            elif len(row.generated) >= row.request.max_tokens:
+                done["length"].append(row)
+        for reason, rows in done.items():
+            self._retire(rows, reason)
+
+    def _token_event(self, row: _Row, token: int, lp: mx.array) -> TokenEvent:
+        """lp: the row's log-probabilities [vocab]."""
+        k = row.request.top_logprobs
+        if k is None:
+            return TokenEvent(token)
+        top = None
+        if k > 0:
+            ids = top_logprobs(lp, k)
+            top = list(zip(ids.tolist(), lp[ids].tolist()))
+        return TokenEvent(token, lp[token].item(), top)
+
+    def _retire(self, rows: list[_Row], reason: str) -> None:
+        """Take ``rows`` out of the batch; a finished row's cache (prompt + reply but its last token) is kept as a
+        "reply" snapshot."""
+        if not rows:
+            return
+        if reason != "cancelled":
+            for r in rows:
+                self._snapshot(r.request.tokens + r.generated[:-1], self._batch, self._running.index(r), "reply")
+        keep = [i for i, r in enumerate(self._running) if r not in rows]
+        if keep:
+            self._batch.filter(keep)
+        else:
+            self._batch = None
+        self._running = [self._running[i] for i in keep]
+        for r in rows:
+            self._finish(r, reason)
+
+    def _finish(self, row: _Row, reason: str, error: Optional[str] = None) -> None:
+        req = row.request
+        row.stream._put(FinishEvent(reason, len(req.tokens), row.stream.cached_tokens, len(row.generated), error))
+        self._finished += 1
+        self._durations.append(time.perf_counter() - row.stream.submitted)
+
+    def _fail_all(self, error: str) -> None:
+        rows = self._waiting + self._running
+        self._waiting, self._running, self._batch = [], [], None
+        for row in rows:
+            self._finish(row, "error", error)
+        while self._inbox:
+            stream = self._inbox.popleft()
+            stream._put(FinishEvent("error", len(stream.request.tokens), 0, 0, error))
