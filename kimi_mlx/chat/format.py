@@ -86,9 +86,11 @@ __all__ = [
     "render_chat",
     "render_chat_segments",
     "render_chat_text",
+    "render_chat_with_starts",
     "render_kimi_linear",
     "render_kimi_linear_segments",
     "render_kimi_linear_text",
+    "segments_and_starts",
     "segments_to_text",
     "turn_end_id",
     "turn_end_token",
@@ -369,28 +371,51 @@ def render_chat_segments(
     messages: Sequence[Mapping[str, Any]],
     *,
     chat_format: str,
+    start: int = 0,
+    **options: Any,
+) -> list[Segment]:
+    """Segments of :func:`render_chat` for an explicit ``chat_format``.
+
+    ``options``: ``tools``, ``thinking``, ``thinking_effort``, ``add_generation_prompt``, ``continue_final_message``,
+    ``tool_choice``, ``response_format`` as for :func:`render_chat`, and ``default_system`` /
+    ``default_system_suffix`` (Kimi Linear only; :func:`render_chat` takes them from the tokenizer).
+    """
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a list of message dicts, got {type(messages).__name__}")
+    if not isinstance(start, int) or not 0 <= start <= len(messages):
+        raise ValueError(f"start={start!r}: expected a message index in [0, {len(messages)}]")
+    segs, starts = segments_and_starts(messages, chat_format=chat_format, **options)
+    if start == 0:
+        return segs
+    if starts[start] is None:
+        raise ValueError(
+            f"start={start}: message {start} is a tool result emitted inside a reordered run of tool results; "
+            f"start at the first message of the run"
+        )
+    return segs[starts[start] :]
+
+
+def segments_and_starts(
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    chat_format: str,
     tools: Sequence[Mapping[str, Any]] | None = None,
     thinking: bool | None = None,
     thinking_effort: str | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
-    start: int = 0,
     default_system: str | None = K2_DEFAULT_SYSTEM,
     default_system_suffix: str = "\n",
     tool_choice: str | None = None,
     response_format: Any = None,
-) -> list[Segment]:
-    """Segments of :func:`render_chat` for an explicit ``chat_format``.
-
-    ``default_system``/``default_system_suffix`` apply to Kimi Linear only
-    (:func:`render_chat` takes them from the tokenizer).
-    """
+) -> tuple[list[Segment], list[int | None]]:
+    """``(segments, starts)`` of a whole conversation: ``starts[i]`` is the index of message ``i``'s first
+    segment (``starts[len(messages)]``: what follows the last message), ``None`` for a K3 tool result emitted
+    inside a reordered run. Every start is a special segment, so text never merges across it."""
     if chat_format not in CHAT_FORMATS:
         raise ValueError(f"chat_format={chat_format!r}: expected one of {', '.join(CHAT_FORMATS)}")
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages must be a list of message dicts, got {type(messages).__name__}")
-    if not isinstance(start, int) or not 0 <= start <= len(messages):
-        raise ValueError(f"start={start!r}: expected a message index in [0, {len(messages)}]")
     if chat_format == "kimi_linear":
         if thinking:
             raise ValueError("thinking=True: Kimi Linear has no thinking section (only Kimi-K3 models think)")
@@ -417,14 +442,7 @@ def render_chat_segments(
             tool_choice=tool_choice,
             response_format=response_format,
         )
-    if start == 0:
-        return segs
-    if starts[start] is None:
-        raise ValueError(
-            f"start={start}: message {start} is a tool result emitted inside a reordered run of tool results; "
-            f"start at the first message of the run"
-        )
-    return segs[starts[start] :]
+    return segs, starts
 
 
 def _format_and_system(tokenizer, chat_format: str | None, default_system: Any) -> tuple[str, str | None, str]:
@@ -482,6 +500,32 @@ def render_chat(
         response_format=response_format,
     )
     return encode_segments(segs, tokenizer)
+
+
+def render_chat_with_starts(
+    tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    chat_format: str | None = None,
+    default_system: Any = "auto",
+    **options: Any,
+) -> tuple[list[int], list[int | None]]:
+    """``(ids, starts)``: ``ids`` as :func:`render_chat` (``options`` as there, without ``start``) and
+    ``starts[i]`` the token position where message ``i`` begins in ``ids`` (``starts[len(messages)]``: the end of
+    the last message, before the generation prompt), ``None`` where :func:`segments_and_starts` has none. A
+    server snapshots its cache at these positions; one encoding pass, as cheap as :func:`render_chat`."""
+    fmt, system, suffix = _format_and_system(tokenizer, chat_format, default_system)
+    segs, seg_starts = segments_and_starts(
+        messages, chat_format=fmt, default_system=system, default_system_suffix=suffix, **options
+    )
+    cuts = sorted({s for s in seg_starts if s is not None} | {0, len(segs)})
+    ids: list[int] = []
+    at: dict[int, int] = {}
+    for a, b in zip(cuts, cuts[1:]):
+        at[a] = len(ids)
+        ids += encode_segments(segs[a:b], tokenizer)
+    at[len(segs)] = len(ids)
+    return ids, [None if s is None else at[s] for s in seg_starts]
 
 
 def render_chat_text(
