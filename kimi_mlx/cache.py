@@ -41,9 +41,19 @@ class _LayerCache:
         self.offset = 0
         self.left_padding = left_padding
 
+    @property
+    def left_padding(self) -> Optional[mx.array]:
+        return self._left_padding
+
+    @left_padding.setter
+    def left_padding(self, pad: Optional[mx.array]) -> None:
+        self._left_padding = pad
+        self._padded_until = 0 if pad is None else int(pad.max().item())  # no row is padded from here on
+
     def valid_mask(self, n: int) -> Optional[mx.array]:
-        """[B, n] bool: True where the next n positions are real tokens (None when nothing is padded)."""
-        if self.left_padding is None:
+        """[B, n] bool: True where the next n positions are real tokens (None when none of them is padded: decoding
+        a left-padded batch takes the unmasked path)."""
+        if self.offset >= self._padded_until:
             return None
         pos = self.offset + mx.arange(n)
         return pos[None, :] >= self.left_padding[:, None]

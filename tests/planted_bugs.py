@@ -319,6 +319,27 @@ BUGS: tuple[PlantedBug, ...] = (
           "key=lambda e: e.last_used"),),
         ("tests/test_prefix_cache.py::test_budget_evicts_least_recently_used_with_system_last",),
     ),
+    PlantedBug(
+        "scheduler: the reply snapshot claims the last generated token (never fed to the cache)",
+        (("kimi_mlx/server/scheduler.py", "r.request.tokens + r.generated[:-1]", "r.request.tokens + r.generated"),),
+        ("tests/test_server_scheduler.py::test_conversation_resumes_from_snapshots_with_cold_logits",),
+    ),
+    PlantedBug(
+        "scheduler: every draw reuses the request's key (no split per step)",
+        (("kimi_mlx/server/sampling.py", "self.key, sub = mx.random.split(self.key)", "sub = self.key"),),
+        ("tests/test_server_scheduler.py::test_seeded_sampling_is_per_request",),
+    ),
+    PlantedBug(
+        "scheduler: a joining row's first decode input is its second-to-last prompt token",
+        (("kimi_mlx/server/scheduler.py", "row.next_input = prompt[-1]", "row.next_input = prompt[-2 if len(prompt) > 1 else -1]"),),
+        ("tests/test_server_scheduler.py::test_concurrent_requests_get_their_single_request_output",),
+    ),
+    PlantedBug(
+        "scheduler: penalties see no history",
+        (("kimi_mlx/server/sampling.py", "        self.history.append(token)\n", ""),
+         ("kimi_mlx/server/sampling.py", "self.history = list(history[-HISTORY:])", "self.history = []"),),
+        ("tests/test_server_scheduler.py::test_penalties_see_prompt_and_reply",),
+    ),
 )
 
 

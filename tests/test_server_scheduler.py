@@ -206,3 +206,17 @@ def test_many_threads_submit(demo, engine):
         t.join()
     for i, p in enumerate(prompts):
         assert results[i] == _reference(model, tok, p, 6)
+
+
+def test_penalties_see_prompt_and_reply(demo, engine):
+    """Repetition / presence / frequency penalties and a logit bias, greedy: the output of stream_generate with the
+    same settings (its penalties count the prompt's and the reply's last 20 tokens), and not the unpenalized one."""
+    model, tok = demo
+    p = _prompts(512, [6])[0] * 4
+    kw = dict(repetition_penalty=1.8, presence_penalty=0.7, frequency_penalty=0.4, logit_bias={p[0]: -3.0})
+    ref = _reference(model, tok, p, 16, **kw)
+    assert ref != _reference(model, tok, p, 16)
+    e = engine(max_batch=2, prompt_cache_bytes=0)
+    other = e.submit(GenerationRequest(_prompts(512, [9])[0], 16))
+    assert _run(e.submit(GenerationRequest(p, 16, SamplingParams(**kw))))[0] == ref
+    _run(other)
