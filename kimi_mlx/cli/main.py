@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, chat, convert, fuse, generate, lora, plan
+from . import bench, chat, convert, fuse, generate, lora, plan, serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     fuse.add_parser(commands)
     bench.add_parser(commands)
     plan.add_parser(commands)
+    serve.add_parser(commands)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -1,0 +1,175 @@
+"""``kimi-mlx serve``: an OpenAI- and Anthropic-compatible HTTP server (``kimi_mlx.server``) on uvicorn.
+
+The socket is bound at once and the model loads in the background (``/health`` says 503 until it is ready); then
+one startup line gives the URL, the model and the memory, and every request logs one line (prompt / cached /
+generated tokens, tok/s) on stderr. The sampling flags are the defaults for requests that do not set them.
+
+With ``--parallel`` (under ``mlx.launch``) every rank loads its share of the model; rank 0 serves HTTP and its
+engine tells the other ranks, each turn, which requests join or leave, so all ranks step together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import re
+import sys
+
+from . import ranks
+from .generate import add_chat_args, add_model_args, add_sampling_args, load_from_args, sampling_from_args
+
+log = logging.getLogger("kimi_mlx.server")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?)?\s*$", re.IGNORECASE)
+
+
+def byte_size(text: str) -> int:
+    """``"2G"``, ``"512MiB"``, ``"1.5g"`` or a plain number of bytes -> bytes (powers of 1024)."""
+    m = _SIZE.match(text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes, optionally with K, M, G or T (e.g. 8G)")
+    scale = 1024 ** " kmgt".index((m.group(2) or " ")[0].lower())
+    return int(float(m.group(1)) * scale)
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server",
+                            description="Serve a Kimi Linear / Kimi-K3 model over the OpenAI (/v1/chat/completions, "
+                                        "/v1/completions, /v1/models) and Anthropic (/v1/messages) APIs.")
+    add_model_args(p)
+    add_sampling_args(p, max_tokens=2048)
+    add_chat_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require this key (Authorization: Bearer KEY, or x-api-key) on every /v1 request")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id clients use (default: the --model argument)")
+    p.add_argument("--max-batch", type=int, default=16, metavar="N", help="requests decoded together")
+    p.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests waiting beyond --max-batch before new ones get 429")
+    p.add_argument("--prompt-cache-bytes", type=byte_size, default=None, metavar="B",
+                   help="memory for the cross-request prefix cache, e.g. 8G (0 disables it; default: a quarter "
+                        "of the memory free after loading)")
+    p.add_argument("--checkpoint-interval", type=int, default=4096, metavar="N",
+                   help="also snapshot a long prompt every N tokens (0: only at message boundaries)")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                   help="prompt tokens prefilled per engine step (running streams keep flowing in between)")
+    p.add_argument("--max-kv-size", type=int, default=1 << 20, metavar="N",
+                   help="most tokens one request may hold, prompt + reply (default: 1048576, Kimi's context)")
+    p.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB", help="largest request body")
+    p.set_defaults(run=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag, value, low in (("--port", args.port, 0), ("--max-batch", args.max_batch, 1),
+                             ("--max-queue", args.max_queue, 0), ("--checkpoint-interval", args.checkpoint_interval, 0),
+                             ("--prefill-chunk", args.prefill_chunk, 1), ("--max-kv-size", args.max_kv_size, 2)):
+        if value < low:
+            raise ValueError(f"{flag} {value}: must be >= {low}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
+    if not 0 < args.max_body_mb:
+        raise ValueError(f"--max-body-mb {args.max_body_mb}: must be > 0")
+    if args.parallel and args.adapter_path:
+        raise ValueError("--adapter-path with --parallel is not supported; merge the adapter first (kimi-mlx fuse)")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _backend_parts(args: argparse.Namespace, group):
+    """Load the model and make its scheduler (every rank, in the same order: loading and the shared seed are
+    collectives); returns ``(model, tokenizer, chat format, scheduler, default sampling, cache budget)``."""
+    import mlx.core as mx
+
+    from ..chat.format import detect_chat_format
+    from ..parallel.pipeline import usable_memory
+    from ..server.scheduler import Scheduler
+
+    seed = args.seed
+    model, tokenizer = load_from_args(args, progress=False, group=group)
+    sampling = sampling_from_args(args)
+    if seed is not None:
+        sampling["seed"] = seed
+    chat_format = args.chat_format or detect_chat_format(tokenizer)
+    if chat_format == "kimi_linear" and (args.think or args.effort):
+        raise ValueError("--think / --effort: this model's chat format (Kimi Linear) has no thinking mode")
+    budget = args.prompt_cache_bytes
+    if budget is None:
+        budget = max(0, usable_memory() - mx.get_active_memory()) // 4
+    scheduler = Scheduler(model, max_batch=args.max_batch, max_queue=args.max_queue, prompt_cache_bytes=budget,
+                          prefill_chunk=args.prefill_chunk, checkpoint_interval=args.checkpoint_interval, group=group)
+    return model, tokenizer, chat_format, scheduler, sampling, budget
+
+
+def run(args: argparse.Namespace) -> int:
+    return ranks.run_command(args, lambda: _check(args), lambda group: _run(args, group))
+
+
+def _run(args: argparse.Namespace, group) -> int:
+    from ..parallel.health import RankError
+
+    if ranks.rank(group) != 0:  # the other ranks follow rank 0's engine until it stops serving
+        try:
+            scheduler = _backend_parts(args, group)[3]
+        except RankError:
+            return 2
+        except (OSError, ValueError) as e:
+            return ranks.report_error(e, group)
+        scheduler.serve()
+        return 0
+    return _serve(args, group)
+
+
+def _serve(args: argparse.Namespace, group) -> int:
+    import mlx.core as mx
+    import uvicorn
+    from mlx.utils import tree_flatten
+
+    from ..server.app import create_app
+    from ..server.backend import Backend, Defaults
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+    model_id = args.served_model_name or args.model
+    url = f"http://{args.host if ':' not in args.host else f'[{args.host}]'}:{args.port}/v1"
+    failed: list[BaseException] = []
+
+    def load() -> Backend:
+        model, tokenizer, chat_format, scheduler, sampling, budget = _backend_parts(args, group)
+        defaults = Defaults(max_tokens=args.max_tokens, sampling=sampling, thinking=args.think,
+                            thinking_effort=args.effort, system=args.system)
+        vocab = min(len(tokenizer), model.args.vocab_size)
+        backend = Backend(scheduler.start(), tokenizer, chat_format, vocab, args.max_kv_size, defaults)
+        weights = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
+        log.info(f"kimi-mlx serve: {url} | model {model_id} ({chat_format} format) | weights {weights:.3g} GB, "
+                 f"memory in use {mx.get_active_memory() / 1e9:.2f} GB, prompt cache up to {budget / 1e9:.2f} GB "
+                 f"| max batch {args.max_batch}" + (" | API key required" if args.api_key else ""))
+        return backend
+
+    def load_failed(e: BaseException) -> None:
+        failed.append(e)
+        server.should_exit = True
+
+    app = create_app(load, model_id=model_id, api_key=args.api_key, max_body_mb=args.max_body_mb,
+                     on_load_error=load_failed)
+    if not _loopback(args.host) and args.api_key is None:
+        log.warning(f"kimi-mlx serve: listening on {args.host} without --api-key: anyone who can reach it may use it")
+    log.info(f"kimi-mlx serve: loading {args.model}; {url} answers /health with 503 until it is ready")
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           access_log=False, timeout_graceful_shutdown=5))
+    server.run()
+    if failed:
+        print(f"kimi-mlx: error: {failed[0]}", file=sys.stderr)
+        return 2
+    return 0 if server.started else 1

@@ -1,0 +1,107 @@
+"""The ASGI app: OpenAI and Anthropic routes (``openai_routes``, ``anthropic_routes``), ``GET /health``, the API
+key, and errors as JSON in the route's style — OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error",
+...}`` on ``/v1/messages*``. Bad input never produces a traceback for the client.
+
+    app = create_app(load_backend, model_id="demo", api_key=None)   # a Backend, or a function that loads one
+    uvicorn.run(app, host="127.0.0.1", port=8080)
+
+Given a function, the app loads the model in a background thread once it starts (the socket is bound right
+after), so ``/health`` answers 503 while it loads and 200 when it is ready.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+from contextlib import asynccontextmanager
+from typing import Callable, Optional, Union
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from . import anthropic_routes, openai_routes
+from .backend import Backend, ServerState
+from .errors import ApiError
+
+log = logging.getLogger("kimi_mlx.server")
+
+
+def _anthropic(request: Request) -> bool:
+    return request.url.path.startswith("/v1/messages")
+
+
+def _error_response(request: Request, err: ApiError) -> JSONResponse:
+    log.info(f"{request.method} {request.url.path} | {err.status} {err.message}")
+    body = err.anthropic_body() if _anthropic(request) else err.openai_body()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
+async def _check_key(request: Request) -> None:
+    """401 unless the request carries the server's key (``Authorization: Bearer KEY`` or ``x-api-key: KEY``)."""
+    key = request.app.state.server.api_key
+    if key is None:
+        return
+    bearer = request.headers.get("authorization", "")
+    given = bearer[7:] if bearer[:7].lower() == "bearer " else request.headers.get("x-api-key")
+    if given is None:
+        raise ApiError(401, "missing API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
+                       code="invalid_api_key")
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        raise ApiError(401, "invalid API key", code="invalid_api_key")
+
+
+def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, api_key: Optional[str] = None,
+               max_body_mb: float = 16.0, on_load_error: Optional[Callable[[BaseException], None]] = None
+               ) -> FastAPI:
+    """The app serving ``source`` (a ready ``Backend``, or a function loading one in the background) as
+    ``model_id``. ``api_key``: required on every ``/v1`` route when set. ``max_body_mb``: larger request bodies
+    get 413. ``on_load_error(exc)``: called if loading fails (the app keeps answering ``/health`` with 503)."""
+    state = ServerState(model_id, api_key, int(max_body_mb * 2**20))
+
+    def load() -> None:
+        try:
+            state.backend = source()
+        except Exception as e:  # noqa: BLE001 - reported on /health and to on_load_error
+            state.load_error = f"{type(e).__name__}: {e}"
+            log.error(f"loading failed: {state.load_error}")
+            if on_load_error is not None:
+                on_load_error(e)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if callable(source):
+            threading.Thread(target=load, name="kimi-mlx-load", daemon=True).start()
+        else:
+            state.backend = source
+        yield
+        if state.backend is not None:
+            state.backend.scheduler.stop()
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.include_router(openai_routes.router, dependencies=[Depends(_check_key)])
+    app.include_router(anthropic_routes.router, dependencies=[Depends(_check_key)])
+
+    @app.get("/health")
+    async def health():
+        if state.backend is None:
+            status = {"status": "error", "error": state.load_error} if state.load_error else {"status": "loading"}
+            return JSONResponse(status, status_code=503)
+        return {"status": "ok", "model": state.model_id, "stats": state.backend.scheduler.stats}
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError):
+        return _error_response(request, err)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException):
+        message = f"no route {request.method} {request.url.path}" if err.status_code == 404 else str(err.detail)
+        return _error_response(request, ApiError(err.status_code, message, headers=err.headers))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception):
+        return _error_response(request, ApiError(500, f"internal error ({type(err).__name__}: {err})"))
+
+    return app

@@ -1,0 +1,258 @@
+"""What the OpenAI and Anthropic routes share: the loaded model (``Backend``), the server's defaults, turning a
+conversation or a prompt into a validated ``GenerationRequest`` and submitting it, and the app's state
+(``ServerState``: model id, API key, body limit, loading).
+
+Errors are ``kimi_mlx.server.errors.ApiError``s (status, message, the request field at fault).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
+
+from fastapi.responses import StreamingResponse
+
+from ..chat.format import render_chat_with_starts
+from .errors import ApiError
+from .scheduler import GenerationRequest, QueueFullError, RequestStream, SamplingParams
+
+THINKING_EFFORTS = ("low", "high", "max")
+
+
+@dataclass
+class Defaults:
+    """What a request that does not say gets (the CLI's sampling and chat flags). ``sampling``: the
+    ``SamplingParams`` fields temp/top_p/top_k/min_p/repetition_penalty/seed; ``thinking``/``thinking_effort``:
+    Kimi-K3 (None: the chat format's defaults); ``system``: system prompt for conversations that have none."""
+
+    max_tokens: int = 512
+    sampling: dict = field(default_factory=dict)
+    thinking: Optional[bool] = None
+    thinking_effort: Optional[str] = None
+    system: Optional[str] = None
+
+
+@dataclass
+class Backend:
+    """The loaded model behind the routes: its scheduler (running), tokenizer (mlx-lm ``TokenizerWrapper``), chat
+    format, the token ids a request may use (``0 <= id < vocab_size``), the most tokens a request may hold (prompt +
+    reply, ``max_context``) and the defaults."""
+
+    scheduler: Any
+    tokenizer: Any
+    chat_format: str
+    vocab_size: int
+    max_context: int
+    defaults: Defaults = field(default_factory=Defaults)
+
+
+@dataclass
+class Prompt:
+    """A rendered prompt: ``tokens``, message ends (``boundaries``) and the end of the system part
+    (``system_end``, 0: none), and ``thinking`` as rendered (for the reply parser; None for plain completions)."""
+
+    tokens: list[int]
+    boundaries: tuple[int, ...] = ()
+    system_end: int = 0
+    thinking: Optional[bool] = None
+
+
+def resolve_thinking(backend: Backend, thinking: Optional[bool], effort: Optional[str], param: str
+                     ) -> tuple[Optional[bool], Optional[str]]:
+    """``(thinking, effort)`` for the renderer: the request's, else the server's defaults; Kimi Linear accepts no
+    thinking (ApiError naming ``param``)."""
+    thinking = backend.defaults.thinking if thinking is None else thinking
+    effort = backend.defaults.thinking_effort if effort is None else effort
+    if backend.chat_format == "kimi_linear":
+        if thinking:
+            raise ApiError(400, f"{param}: this model (Kimi Linear chat format) has no thinking mode", param)
+        return thinking, None
+    if effort is not None and effort not in THINKING_EFFORTS:
+        raise ApiError(400, f"{param}: thinking effort {effort!r} is not one of {', '.join(THINKING_EFFORTS)}", param)
+    return thinking, effort if thinking is not False else None
+
+
+def render_prompt(backend: Backend, messages: list[dict], *, tools: Optional[list] = None,
+                  thinking: Optional[bool] = None, thinking_effort: Optional[str] = None,
+                  tool_choice: Optional[str] = None, response_format: Any = None) -> Prompt:
+    """Render a conversation (OpenAI-style message dicts, see ``kimi_mlx.chat.format``) with the generation prompt.
+
+    Boundaries are the token positions where each message begins after the first (= where the one before it
+    ends) and where the last one ends; ``system_end`` is where the first non-system message begins (the tool
+    declarations and system prompt before it are shared by conversations). A message the renderer refuses is an
+    ApiError naming ``messages``.
+    """
+    if backend.defaults.system is not None and not any(m.get("role") == "system" for m in messages):
+        messages = [{"role": "system", "content": backend.defaults.system}, *messages]
+    try:
+        tokens, starts = render_chat_with_starts(
+            backend.tokenizer, messages, chat_format=backend.chat_format, tools=tools or None, thinking=thinking,
+            thinking_effort=thinking_effort, tool_choice=tool_choice, response_format=response_format,
+        )
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, f"messages: {e}", "messages") from None
+    first = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
+    system_end = starts[first] or 0
+    boundaries = tuple(sorted({s for s in starts[1:] if s}))
+    return Prompt(tokens, boundaries, system_end, thinking)
+
+
+def check_tokens(backend: Backend, tokens: Sequence[int], param: str) -> None:
+    """A non-empty prompt of ids inside the vocabulary (ApiError naming ``param``)."""
+    if not tokens:
+        raise ApiError(400, f"{param}: the prompt is empty", param)
+    bad = next((t for t in tokens if not 0 <= t < backend.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary (0..{backend.vocab_size - 1})", param)
+
+
+def reply_budget(backend: Backend, prompt_tokens: int, max_tokens: Optional[int], param: str,
+                 prompt_param: str) -> int:
+    """The reply's token limit: the request's (it must fit the context with the prompt; ApiError naming ``param``)
+    or the server default, shortened to what fits. A prompt that leaves no room is an ApiError naming
+    ``prompt_param``."""
+    room = backend.max_context - prompt_tokens
+    if room < 1:
+        raise ApiError(400, f"{prompt_param}: the prompt is {prompt_tokens} tokens; this server's context limit is "
+                            f"{backend.max_context} tokens (prompt + reply)", prompt_param, "context_length_exceeded")
+    if max_tokens is None:
+        return min(backend.defaults.max_tokens, room)
+    if max_tokens > room:
+        raise ApiError(400, f"{param}: {max_tokens} reply tokens do not fit: the prompt is {prompt_tokens} tokens "
+                            f"and the context limit is {backend.max_context}; at most {room}", param,
+                       "context_length_exceeded")
+    return max_tokens
+
+
+def sampling_params(backend: Backend, fields: Mapping[str, Any]) -> SamplingParams:
+    """The server's default sampling with the request's given (non-None) fields on top; ``logit_bias`` keys are
+    checked against the vocabulary."""
+    params = replace(SamplingParams(), **backend.defaults.sampling)
+    given = {k: v for k, v in fields.items() if v is not None}
+    bias = given.pop("logit_bias", None)
+    if bias:
+        out = {}
+        for key, value in bias.items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < backend.vocab_size:
+                raise ApiError(400, f"logit_bias: key {key!r} is not a token id in 0..{backend.vocab_size - 1}",
+                               "logit_bias")
+            out[int(key)] = float(value)
+        given["logit_bias"] = out
+    return replace(params, **given)
+
+
+def stop_ids(backend: Backend) -> frozenset:
+    """The tokens that end a reply: the tokenizer's eos ids, which include the chat format's turn end."""
+    return frozenset(backend.tokenizer.eos_token_ids)
+
+
+def submit(backend: Backend, prompt: Prompt, max_tokens: int, sampling: SamplingParams,
+           top_logprobs: Optional[int]) -> RequestStream:
+    """Queue the generation (stopping on ``stop_ids``); a full queue is a 429 with ``Retry-After``."""
+    request = GenerationRequest(
+        tokens=list(prompt.tokens), max_tokens=max_tokens, sampling=sampling,
+        stop_token_ids=stop_ids(backend), top_logprobs=top_logprobs,
+        boundaries=prompt.boundaries, system_end=prompt.system_end,
+    )
+    try:
+        return backend.scheduler.submit(request)
+    except QueueFullError as e:
+        raise ApiError(429, str(e), code="rate_limit_exceeded",
+                       headers={"Retry-After": str(max(1, round(e.retry_after)))}) from None
+
+
+class ServerState:
+    """The app's state: the served model id, the API key, the body limit, and the backend once it has loaded
+    (``load_error`` if loading failed)."""
+
+    def __init__(self, model_id: str, api_key: Optional[str], max_body_bytes: int):
+        self.model_id, self.api_key, self.max_body_bytes = model_id, api_key, max_body_bytes
+        self.backend: Optional[Backend] = None
+        self.load_error: Optional[str] = None
+        self.created = int(time.time())
+
+    def ready(self) -> Backend:
+        """The backend; 503 while the model loads (or after it failed to)."""
+        if self.backend is None:
+            why = f"the model failed to load: {self.load_error}" if self.load_error else "the model is still loading"
+            raise ApiError(503, why, headers={"Retry-After": "5"})
+        return self.backend
+
+    def check_model(self, name: Optional[str]) -> None:
+        """404 unless ``name`` is the served model id (None: the request did not say, so it is this one)."""
+        if name is not None and name != self.model_id:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_id!r}", "model",
+                           "model_not_found")
+
+    async def body(self, request) -> bytes:
+        """The request body, refused with 413 beyond ``max_body_bytes`` (by its Content-Length or while reading)."""
+        limit = self.max_body_bytes
+        too_big = ApiError(413, f"the request body is over this server's limit of {limit / 2**20:g} MiB "
+                                f"(--max-body-mb)")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def choose_tools(backend: Backend, tools: Optional[list], choice: Optional[str], name: Optional[str], param: str
+                 ) -> tuple[Optional[list], Optional[str]]:
+    """``(tools to declare, tool_choice for the renderer)`` for a request's tools (OpenAI-style declarations) and
+    its choice: None/"auto", "none", "required", or "function" with ``name`` (declares only that tool and requires
+    a call). Kimi Linear's format cannot require a call (ApiError naming ``param``); its "none" declares no tools."""
+    if choice == "function":
+        chosen = [t for t in tools or [] if t["function"]["name"] == name]
+        if not chosen:
+            raise ApiError(400, f"{param}: the tool {name!r} is not among the request's tools", param)
+        tools, choice = chosen, "required"
+    if backend.chat_format == "kimi_linear":
+        if choice == "required":
+            raise ApiError(400, f"{param}: the Kimi Linear chat format cannot require a tool call "
+                                f"(use auto or none)", param)
+        return (None if choice == "none" else tools), None
+    return tools, (None if choice == "auto" else choice)
+
+
+class _EventStream(StreamingResponse):
+    """A streamed response that calls ``on_close`` when it ends, however it ends (done, failed, or the client
+    gone before the first event)."""
+
+    def __init__(self, chunks, on_close: Callable[[], None]):
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse_response(chunks, stream: RequestStream) -> StreamingResponse:
+    """Server-sent events from an async iterator of ready-made ``event:``/``data:`` text; ``stream`` (the
+    generation behind them) is cancelled when the response ends, so a client that leaves stops it."""
+    return _EventStream(chunks, stream.cancel)
+
+
+def sse_data(obj: Any, event: Optional[str] = None) -> str:
+    """One SSE message: ``data: JSON`` (after ``event: NAME`` when given)."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def watch_disconnect(request, stream) -> None:
+    """Cancel ``stream`` when the client goes away (for replies sent whole; streamed ones are cancelled when the
+    response stops). Run as a task next to the generation, cancelled when it is done."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stream.cancel()

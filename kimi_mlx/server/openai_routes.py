@@ -1,0 +1,311 @@
+"""OpenAI API: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` and
+``GET /v1/models/{id}``.
+
+Chat replies are parsed in the model's own format: reasoning comes back as ``reasoning_content`` and ``reasoning``
+(clients read one or the other), tool calls as ``tool_calls`` with JSON-string ``arguments``; ``finish_reason`` is
+``stop``, ``length`` or ``tool_calls``; ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens the
+prefix cache supplied. Kimi-K3 thinking: ``chat_template_kwargs`` ``thinking``/``enable_thinking`` (bool) and
+``thinking_effort`` (low/high/max), or ``reasoning_effort`` (``none`` turns thinking off; ``minimal``/``low`` ->
+low, ``medium``/``high`` -> high, ``xhigh``/``max`` -> max: K3 knows low, high and max).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, Optional
+
+from fastapi import APIRouter, Request
+
+from .backend import (Backend, Prompt, check_tokens, choose_tools, reply_budget, render_prompt, resolve_thinking,
+                      sampling_params, sse_data, sse_response, stop_ids, submit, watch_disconnect)
+from .errors import ApiError
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, parse
+from .text_stream import Generation, ReplyStream, TextStream
+
+router = APIRouter()
+
+EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
+
+
+class _Reply:
+    """Ids and envelopes of one response (``chat.completion[.chunk]`` or ``text_completion``)."""
+
+    def __init__(self, kind: str, model: str):
+        self.kind, self.model = kind, model
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+
+    def envelope(self, obj: str, choices: list, usage: Optional[dict] = None) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+
+def _usage(gen: Generation) -> dict:
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+
+
+def _check_finish(gen: Generation) -> None:
+    if gen.reason == "error":
+        raise ApiError(500, f"generation failed: {gen.finish.error}")
+
+
+def _token_logprob(tokenizer, token: int, logprob: float) -> dict:
+    raw = tokenizer.token_bytes(token)
+    return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def _chat_logprobs(tokenizer, gen: Generation, piece) -> Optional[list]:
+    """The chat ``logprobs.content`` entry of a piece's token (None: not asked for, or the stop token)."""
+    ev = piece.token
+    if ev is None or ev.logprob is None or ev.token in gen.stream.request.stop_token_ids:
+        return None
+    entry = _token_logprob(tokenizer, ev.token, ev.logprob)
+    entry["top_logprobs"] = [_token_logprob(tokenizer, t, lp) for t, lp in ev.top_logprobs or []]
+    return [entry]
+
+
+async def _collect(request: Request, gen: Generation):
+    """Every piece of ``gen`` (a reply sent whole), cancelling it if the client disconnects meanwhile."""
+    watcher = asyncio.ensure_future(watch_disconnect(request, gen.stream))
+    try:
+        return [piece async for piece in gen]
+    finally:
+        watcher.cancel()
+
+
+# ------------------------------------------------------------------------------------------------------- models
+
+
+def _model_card(request: Request) -> dict:
+    state = request.app.state.server
+    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "kimi-mlx"}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [_model_card(request)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(request: Request, model_id: str):
+    request.app.state.server.check_model(model_id)
+    return _model_card(request)
+
+
+# ------------------------------------------------------------------------------------------------------- chat
+
+
+def _arguments(args: Any, chat_format: str) -> Any:
+    """Tool-call arguments for the renderer: Kimi Linear writes the JSON text as given; K3 writes typed arguments
+    from a dict, so a JSON object string becomes one (what the model generated, for the prefix cache)."""
+    if chat_format == "kimi_k3" and isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except json.JSONDecodeError:
+            return args
+        return parsed if isinstance(parsed, dict) else args
+    return args
+
+
+def _message(m: ChatMessage, chat_format: str) -> dict:
+    """A request message as the chat renderer's dict (``developer`` is a system message)."""
+    out: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+    if m.name:
+        out["name"] = m.name
+    if m.role == "tool":
+        out["tool_call_id"] = m.tool_call_id
+    if m.role == "assistant":
+        reasoning = m.reasoning_content or m.reasoning
+        if reasoning:
+            out["reasoning_content"] = reasoning
+        if m.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, chat_format)}}
+                for c in m.tool_calls
+            ]
+    return out
+
+
+def _thinking(backend: Backend, req: ChatCompletionRequest) -> tuple[Optional[bool], Optional[str]]:
+    kwargs = req.chat_template_kwargs or {}
+    thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
+    effort = kwargs.get("thinking_effort")
+    if req.reasoning_effort == "none":
+        thinking = False if thinking is None else thinking
+    elif req.reasoning_effort is not None:
+        thinking = True if thinking is None else thinking
+        effort = effort or EFFORTS[req.reasoning_effort]
+    param = "reasoning_effort" if req.reasoning_effort is not None else "chat_template_kwargs"
+    return resolve_thinking(backend, thinking, effort, param)
+
+
+def _chat_prompt(backend: Backend, req: ChatCompletionRequest) -> Prompt:
+    thinking, effort = _thinking(backend, req)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = req.tool_choice
+    name = choice["function"]["name"] if isinstance(choice, dict) else None
+    tools, choice = choose_tools(backend, tools, "function" if name else choice, name, "tool_choice")
+    messages = [_message(m, backend.chat_format) for m in req.messages]
+    return render_prompt(backend, messages, tools=tools, thinking=thinking, thinking_effort=effort,
+                         tool_choice=choice, response_format=req.response_format)
+
+
+def _tool_call_json(call, index: int) -> dict:
+    args = call.raw_arguments if call.raw_arguments is not None else json.dumps(call.arguments, ensure_ascii=False)
+    return {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": args}}
+
+
+def _chat_finish(gen: Generation, tool_calls: int) -> str:
+    if gen.reason == "length":
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    state = request.app.state.server
+    body = await state.body(request)
+    backend = state.ready()
+    req = parse(ChatCompletionRequest, body)
+    state.check_model(req.model)
+    prompt = _chat_prompt(backend, req)
+    limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = reply_budget(backend, len(prompt.tokens), req.max_completion_tokens or req.max_tokens,
+                              limit_param, "messages")
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    sampling = sampling_params(backend, req.sampling_fields())
+    text = ReplyStream(backend.tokenizer, backend.chat_format, prompt.thinking, req.stop, stop_ids(backend))
+    gen = Generation(submit(backend, prompt, max_tokens, sampling, top), text, "POST /v1/chat/completions",
+                     len(prompt.tokens))
+    reply = _Reply("chat", state.model_id)
+    if req.stream:
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        return sse_response(_chat_chunks(backend, gen, reply, usage), gen.stream)
+    content, reasoning, calls, logprobs = [], [], [], []
+    for piece in await _collect(request, gen):
+        for ev in piece.events:
+            if ev.kind == "content":
+                content.append(ev.text)
+            elif ev.kind == "reasoning":
+                reasoning.append(ev.text)
+            elif ev.kind == "tool_call":
+                calls.append(_tool_call_json(ev.tool_call, len(calls)))
+        logprobs += _chat_logprobs(backend.tokenizer, gen, piece) or []
+    _check_finish(gen)
+    message: dict = {"role": "assistant", "content": "".join(content) if content or not calls else None}
+    if reasoning:
+        message["reasoning_content"] = message["reasoning"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+    choice = {"index": 0, "message": message, "logprobs": {"content": logprobs} if top is not None else None,
+              "finish_reason": _chat_finish(gen, len(calls))}
+    return reply.envelope("chat.completion", [choice], _usage(gen))
+
+
+async def _chat_chunks(backend: Backend, gen: Generation, reply: _Reply, include_usage: bool):
+    def chunk(delta: dict, finish: Optional[str] = None, logprobs: Optional[list] = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs},
+                  "finish_reason": finish}
+        return sse_data(reply.envelope("chat.completion.chunk", [choice]))
+
+    yield chunk({"role": "assistant", "content": ""})
+    calls = 0
+    async for piece in gen:
+        deltas = []
+        for ev in piece.events:
+            if ev.kind == "content":
+                deltas.append({"content": ev.text})
+            elif ev.kind == "reasoning":
+                deltas.append({"reasoning_content": ev.text, "reasoning": ev.text})
+            elif ev.kind == "tool_call":
+                deltas.append({"tool_calls": [_tool_call_json(ev.tool_call, calls)]})
+                calls += 1
+        logprobs = _chat_logprobs(backend.tokenizer, gen, piece)
+        if logprobs and not deltas:
+            deltas = [{}]
+        for i, delta in enumerate(deltas):
+            yield chunk(delta, logprobs=logprobs if i == 0 else None)
+    if gen.reason == "error":
+        yield sse_data(ApiError(500, f"generation failed: {gen.finish.error}").openai_body())
+    else:
+        yield chunk({}, finish=_chat_finish(gen, calls))
+        if include_usage:
+            yield sse_data(reply.envelope("chat.completion.chunk", [], _usage(gen)))
+    yield "data: [DONE]\n\n"
+
+
+# ------------------------------------------------------------------------------------------------------- completions
+
+
+def _completion_logprobs(tokenizer, gen: Generation, piece, offset: int, out: dict) -> None:
+    """Append a piece's token to the legacy ``logprobs`` object ``out`` (tokens, token_logprobs, top_logprobs,
+    text_offset); the stop token is left out."""
+    ev = piece.token
+    if ev is None or ev.logprob is None or ev.token in gen.stream.request.stop_token_ids:
+        return
+    out["tokens"].append(_token_logprob(tokenizer, ev.token, ev.logprob)["token"])
+    out["token_logprobs"].append(ev.logprob)
+    out["top_logprobs"].append({_token_logprob(tokenizer, t, lp)["token"]: lp for t, lp in ev.top_logprobs or []})
+    out["text_offset"].append(offset)
+
+
+def _new_logprobs() -> dict:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    state = request.app.state.server
+    body = await state.body(request)
+    backend = state.ready()
+    req = parse(CompletionRequest, body)
+    state.check_model(req.model)
+    tokens = backend.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+    check_tokens(backend, tokens, "prompt")
+    max_tokens = reply_budget(backend, len(tokens), req.max_tokens, "max_tokens", "prompt")
+    sampling = sampling_params(backend, req.sampling_fields())
+    text = TextStream(backend.tokenizer, req.stop, stop_ids(backend))
+    gen = Generation(submit(backend, Prompt(tokens), max_tokens, sampling, req.logprobs), text,
+                     "POST /v1/completions", len(tokens))
+    reply = _Reply("completion", state.model_id)
+    if req.stream:
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        return sse_response(_completion_chunks(backend, gen, reply, req.logprobs is not None, usage), gen.stream)
+    text, logprobs = "", _new_logprobs()
+    for piece in await _collect(request, gen):
+        _completion_logprobs(backend.tokenizer, gen, piece, len(text), logprobs)
+        text += piece.text
+    _check_finish(gen)
+    choice = {"index": 0, "text": text, "logprobs": logprobs if req.logprobs is not None else None,
+              "finish_reason": "length" if gen.reason == "length" else "stop"}
+    return reply.envelope("text_completion", [choice], _usage(gen))
+
+
+async def _completion_chunks(backend: Backend, gen: Generation, reply: _Reply, want_logprobs: bool,
+                             include_usage: bool):
+    offset = 0
+    async for piece in gen:
+        logprobs = _new_logprobs()
+        _completion_logprobs(backend.tokenizer, gen, piece, offset, logprobs)
+        offset += len(piece.text)
+        if piece.text or logprobs["tokens"]:
+            choice = {"index": 0, "text": piece.text, "logprobs": logprobs if want_logprobs else None,
+                      "finish_reason": None}
+            yield sse_data(reply.envelope("text_completion", [choice]))
+    if gen.reason == "error":
+        yield sse_data(ApiError(500, f"generation failed: {gen.finish.error}").openai_body())
+    else:
+        choice = {"index": 0, "text": "", "logprobs": None,
+                  "finish_reason": "length" if gen.reason == "length" else "stop"}
+        yield sse_data(reply.envelope("text_completion", [choice]))
+        if include_usage:
+            yield sse_data(reply.envelope("text_completion", [], _usage(gen)))
+    yield "data: [DONE]\n\n"
