@@ -340,6 +340,11 @@ BUGS: tuple[PlantedBug, ...] = (
          ("kimi_mlx/server/sampling.py", "self.history = list(history[-HISTORY:])", "self.history = []"),),
         ("tests/test_server_scheduler.py::test_penalties_see_prompt_and_reply",),
     ),
+    PlantedBug(
+        "distributed scheduler: the other ranks' token broadcast does not depend on the step's logits",
+        (("kimi_mlx/server/scheduler.py", "tokens if self.leader else tokens * 0", "tokens if self.leader else mx.zeros_like(tokens)"),),
+        ("tests/test_server_distributed.py::test_two_ranks_serve_the_single_process_output[pipeline]",),
+    ),
 )
 
 

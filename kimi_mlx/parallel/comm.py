@@ -7,7 +7,7 @@ count this rank's contribution, ``send`` the message, ``recv`` the message recei
 
 from __future__ import annotations
 
-import functools
+import threading
 from collections import Counter
 from typing import Optional
 
@@ -15,15 +15,22 @@ import mlx.core as mx
 import numpy as np
 
 
-@functools.cache
+_streams = threading.local()
+
+
 def comm_stream() -> mx.Stream:
-    """The one CPU stream that every collective of this process runs on (send, recv, all_sum, all_gather).
+    """The one CPU stream that every collective of this thread runs on (send, recv, all_sum, all_gather).
 
     MLX runs a collective on the caller's stream, and mlx-lm's ``generate_step`` works on its own generation stream
     while other calls use the default one: collectives on two streams may run in a different order on each rank
     (a hang or mixed-up messages). On one stream they run in the order they were scheduled, the same on every rank.
+    MLX streams belong to the thread that made them, so each thread gets its own; a process runs its collectives
+    from one thread at a time (the server's engine thread on rank 0, the main thread elsewhere).
     """
-    return mx.new_stream(mx.cpu)
+    stream = getattr(_streams, "stream", None)
+    if stream is None:
+        stream = _streams.stream = mx.new_stream(mx.cpu)
+    return stream
 
 
 class Traffic:

@@ -224,6 +224,7 @@ class Scheduler:
         self._evicted: list[int] = []
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self.failure: Optional[str] = None  # why the engine loop ended, if it failed
         self._finished = 0
         self._durations = collections.deque(maxlen=64)  # seconds per finished request, for Retry-After
 
@@ -232,6 +233,8 @@ class Scheduler:
         """Queue ``request``; its events arrive on the returned stream. Raises QueueFullError when full."""
         if not self.leader:
             raise RuntimeError("requests go to rank 0")
+        if self.failure is not None or self._stopping:
+            raise RuntimeError(f"the engine is not running ({self.failure or 'stopped'})")
         waiting = len(self._inbox) + len(self._waiting) + len(self._running) - self.max_batch
         if waiting >= self.max_queue:
             typical = sorted(self._durations)[len(self._durations) // 2] if self._durations else 1.0
@@ -266,20 +269,30 @@ class Scheduler:
 
     # ---- the engine loop --------------------------------------------------------------------------------------
     def serve(self) -> None:
-        """The engine loop, until ``stop()`` (rank 0) or rank 0's stop plan (the other ranks, which call this)."""
-        while True:
-            if self.leader and not (self._inbox or self._waiting or self._running or self._stopping):
-                self._wake.wait(0.05)
-                self._wake.clear()
-            plan = self._share(self._plan() if self.leader else None)
-            if plan.stop:
-                break
-            self._apply(plan)
-            try:
-                self._prefill()
-                self._decode()
-            except Exception as e:  # noqa: BLE001 - report to every request in flight, keep serving
-                self._fail_all(f"{type(e).__name__}: {e}")
+        """The engine loop, until ``stop()`` (rank 0) or rank 0's stop plan (the other ranks, which call this).
+
+        A failure inside a turn ends the requests in flight with an "error" event and serving goes on; a failure
+        to exchange plans (a rank is gone) ends every request and the loop, and later ``submit`` calls fail."""
+        try:
+            while True:
+                if self.leader and not (self._inbox or self._waiting or self._running or self._stopping):
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                plan = self._share(self._plan() if self.leader else None)
+                if plan.stop:
+                    break
+                self._apply(plan)
+                try:
+                    self._prefill()
+                    self._decode()
+                except Exception as e:  # noqa: BLE001 - report to every request in flight, keep serving
+                    if self.group is not None:  # the ranks may no longer agree on the batch: stop them all
+                        raise
+                    self._fail_all(f"{type(e).__name__}: {e}")
+        except BaseException as e:
+            self.failure = f"{type(e).__name__}: {e}"
+            self._fail_all(f"the engine stopped: {self.failure}")
+            raise
         self._fail_all("server shutting down")
 
     def _plan(self) -> _Plan:
@@ -390,8 +403,9 @@ class Scheduler:
         logits = self.model(inputs, cache=self._batch)[:, -1]
         lps = [row.sampler.logprobs(logits[i : i + 1]) for i, row in enumerate(self._running)]
         tokens = mx.concatenate([row.sampler.draw(lp) for row, lp in zip(self._running, lps)]).astype(mx.int32)
-        if self.group is not None:  # rank 0's draws everywhere
-            tokens = comm.all_sum(tokens if self.leader else mx.zeros_like(tokens), self.group)
+        if self.group is not None:  # rank 0's draws everywhere; the others add zeros that still depend on the
+            # step's logits, so every rank runs the forward's collectives before this one, in the same order
+            tokens = comm.all_sum(tokens if self.leader else tokens * 0, self.group)
         mx.eval(tokens)
         done = {"stop": [], "length": []}
         for row, token, lp in zip(self._running, tokens.tolist(), lps):

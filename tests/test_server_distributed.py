@@ -1,0 +1,67 @@
+"""The serving engine on 2 ``ring`` ranks under ``mlx.launch`` (pipeline and tensor parallel): rank 0 takes the
+requests, every rank runs the same turns from rank 0's broadcast plans, and the outputs equal one process's.
+
+Each rank loads the tiny Kimi Linear fixture with its share; rank 0 also loads the whole model and computes the
+single-process greedy reference with ``stream_generate``.
+"""
+
+import pytest
+from conftest import KL_FIXTURE
+from distributed import run_ranks
+
+RANK_SCRIPT = """
+import numpy as np
+from kimi_mlx.generate import stream_generate
+from kimi_mlx.loading import load
+from kimi_mlx.server.scheduler import FinishEvent, GenerationRequest, SamplingParams, Scheduler
+
+path, mode = sys.argv[1], sys.argv[2]
+model, tok = load(path, dtype=mx.float32, parallel=mode, group=group)
+engine = Scheduler(model, max_batch=3, prefill_chunk=16, checkpoint_interval=16, group=group)
+if group.rank() != 0:
+    engine.serve()  # until rank 0 stops
+    report({"served": True})
+    sys.exit(0)
+
+rng = np.random.default_rng(0)
+prompts = [rng.integers(0, 512, n).tolist() for n in (7, 40, 3, 25)]
+engine.start()
+
+def run(stream):
+    events = list(stream)
+    return [e.token for e in events[:-1]], events[-1]
+
+streams = [engine.submit(GenerationRequest(p, 8)) for p in prompts]
+sampled = engine.submit(GenerationRequest(prompts[0], 8, SamplingParams(temp=0.8, top_k=20, seed=5)))
+cancelled = engine.submit(GenerationRequest(prompts[1], 100000))
+outs = [run(s)[0] for s in streams]
+sampled_out = run(sampled)[0]
+cancelled.cancel()
+_, cancel_fin = run(cancelled)
+# the next turn of prompt 0's conversation resumes from its reply snapshot
+turn2 = prompts[0] + outs[0] + [5, 6, 7]
+turn2_out, turn2_fin = run(engine.submit(GenerationRequest(turn2, 8)))
+engine.stop()
+
+ref_model, ref_tok = load(path, dtype=mx.float32)
+ref = [[r.token for r in stream_generate(ref_model, ref_tok, p, 8)] for p in prompts]
+mx.random.seed(5)
+ref_sampled = [r.token for r in stream_generate(ref_model, ref_tok, prompts[0], 8, temp=0.8, top_k=20)]
+ref_turn2 = [r.token for r in stream_generate(ref_model, ref_tok, turn2, 8)]
+report({"outs": outs, "ref": ref, "sampled": sampled_out, "ref_sampled": ref_sampled, "turn2": turn2_out,
+        "ref_turn2": ref_turn2, "turn2_cached": turn2_fin.cached_tokens, "expected_cached": len(prompts[0]) + 7,
+        "cancel": cancel_fin.reason})
+"""
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_two_ranks_serve_the_single_process_output(mode, tmp_path):
+    """Concurrent greedy requests, a seeded sampled one, a cancelled one and a resumed second turn on 2 ranks:
+    rank 0's tokens equal one process's; the other rank follows every plan and returns when rank 0 stops."""
+    r0, r1 = run_ranks(RANK_SCRIPT, 2, tmp_path, args=(KL_FIXTURE / "hf", mode), timeout=400)
+    assert r1 == {"served": True}
+    assert r0["outs"] == r0["ref"]
+    assert r0["sampled"] == r0["ref_sampled"]
+    assert r0["turn2"] == r0["ref_turn2"]
+    assert r0["turn2_cached"] == r0["expected_cached"]
+    assert r0["cancel"] == "cancelled"
