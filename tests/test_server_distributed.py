@@ -65,3 +65,61 @@ def test_two_ranks_serve_the_single_process_output(mode, tmp_path):
     assert r0["turn2"] == r0["ref_turn2"]
     assert r0["turn2_cached"] == r0["expected_cached"]
     assert r0["cancel"] == "cancelled"
+
+
+def test_two_ranks_serve_chat_completions_over_http(tmp_path):
+    """``mlx.launch -n 2 -- kimi-mlx serve --parallel pipeline``: rank 0 answers the OpenAI client (streamed and
+    not, two conversations at once) with the single-process greedy text of the rendered conversation."""
+    import concurrent.futures
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx2 as httpx
+    import mlx.core as mx
+    from distributed import launch_command
+    from openai import OpenAI
+    from serve_helpers import free_port
+
+    from kimi_mlx.chat.format import render_chat
+    from kimi_mlx.generate import generate
+    from kimi_mlx.loading import load
+
+    model_dir = KL_FIXTURE / "hf"
+    port = free_port()
+    cmd = launch_command(2, tmp_path, sys.executable, "-m", "kimi_mlx.cli.main", "serve", "--model", str(model_dir),
+                         "--parallel", "pipeline", "--port", str(port), "--dtype", "float32")
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        chats = [[{"role": "user", "content": "Hello there"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count: 1 2 3"}]]
+
+        def ask(messages, stream):
+            kw = dict(model=str(model_dir), messages=messages, max_tokens=12, temperature=0)
+            if not stream:
+                return client.chat.completions.create(**kw).choices[0].message.content
+            return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                           if c.choices)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda a: ask(*a), [(m, s) for m in chats for s in (False, True)]))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()
+    model, tok = load(model_dir, dtype=mx.float32)
+    want = [generate(model, tok, render_chat(tok, m), 12, stop_strings=()) for m in chats]
+    assert got == [want[0], want[0], want[1], want[1]], (tmp_path / "serve.log").read_text()
