@@ -51,7 +51,7 @@ def add_parser(commands) -> None:
                    help="requests waiting beyond --max-batch before new ones get 429")
     p.add_argument("--prompt-cache-bytes", type=byte_size, default=None, metavar="B",
                    help="memory for the cross-request prefix cache, e.g. 8G (0 disables it; default: a quarter "
-                        "of the memory free after loading)")
+                        "of what the device can hold beyond the memory in use after loading)")
     p.add_argument("--checkpoint-interval", type=int, default=4096, metavar="N",
                    help="also snapshot a long prompt every N tokens (0: only at message boundaries)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
