@@ -401,8 +401,7 @@ class Scheduler:
             return
         inputs = mx.array([[r.next_input] for r in self._running])
         logits = self.model(inputs, cache=self._batch)[:, -1]
-        lps = [row.sampler.logprobs(logits[i : i + 1]) for i, row in enumerate(self._running)]
-        tokens = mx.concatenate([row.sampler.draw(lp) for row, lp in zip(self._running, lps)]).astype(mx.int32)
+        tokens, lps = self._sample(logits)
         if self.group is not None:  # rank 0's draws everywhere; the others add zeros that still depend on the
             # step's logits, so every rank runs the forward's collectives before this one, in the same order
             tokens = comm.all_sum(tokens if self.leader else tokens * 0, self.group)
@@ -413,13 +412,32 @@ class Scheduler:
             row.generated.append(token)
             row.next_input = token
             if self.leader:
-                row.stream._put(self._token_event(row, token, lp[0]))
+                row.stream._put(self._token_event(row, token, lp))
             if token in row.request.stop_token_ids:
                 done["stop"].append(row)
             elif len(row.generated) >= row.request.max_tokens:
                 done["length"].append(row)
         for reason, rows in done.items():
             self._retire(rows, reason)
+
+    def _sample(self, logits: mx.array) -> tuple[mx.array, list[mx.array]]:
+        """(token ids [B] int32, each row's log-probabilities [vocab]) from the step's logits [B, vocab] (lazy).
+        Rows that are plain greedy (temp 0, no processors) share one batched log-softmax and argmax."""
+        plain = [r.sampler.params.temp == 0 and not r.sampler.processors for r in self._running]
+        batch_lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = mx.argmax(batch_lp, axis=-1).astype(mx.int32)
+        lps = [batch_lp[i] for i in range(len(plain))]
+        if not all(plain):
+            drawn = []
+            for i, row in enumerate(self._running):
+                if plain[i]:
+                    drawn.append(tokens[i : i + 1])
+                else:
+                    lp = row.sampler.logprobs(logits[i : i + 1])
+                    drawn.append(row.sampler.draw(lp).astype(mx.int32))
+                    lps[i] = lp[0]
+            tokens = mx.concatenate(drawn)
+        return tokens, lps
 
     def _token_event(self, row: _Row, token: int, lp: mx.array) -> TokenEvent:
         """lp: the row's log-probabilities [vocab]."""
