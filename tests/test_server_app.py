@@ -6,6 +6,7 @@ model output; ``/health`` while loading; ``TextStream`` stop strings and UTF-8; 
 The real engine and real models are in ``test_server_api.py`` / ``test_server_k3.py`` / ``test_server_errors.py``.
 """
 
+import asyncio
 import json
 import threading
 
@@ -32,8 +33,8 @@ USER = {"role": "user", "content": "Weather in Tokyo?"}
 class ScriptedStream:
     """Replays ``script`` as the request's tokens (stopping on a stop id or max_tokens), like a RequestStream."""
 
-    def __init__(self, request, script, cached):
-        self.request, self.script, self.cached_tokens = request, script, cached
+    def __init__(self, request, script, cached, delay):
+        self.request, self.script, self.cached_tokens, self.delay = request, script, cached, delay
         self.cancelled = False
 
     def cancel(self):
@@ -41,6 +42,7 @@ class ScriptedStream:
 
     async def __aiter__(self):
         req, n, reason = self.request, 0, "length"
+        await asyncio.sleep(self.delay)  # the prefill
         for token in self.script[: req.max_tokens]:
             if self.cancelled:
                 reason = "cancelled"
@@ -57,12 +59,12 @@ class ScriptedStream:
 class ScriptedEngine:
     """The scheduler's interface, replaying one script for every request; records the requests."""
 
-    def __init__(self, script, cached=0):
-        self.script, self.cached, self.requests = script, cached, []
+    def __init__(self, script, cached=0, delay=0.0):
+        self.script, self.cached, self.delay, self.requests = script, cached, delay, []
 
     def submit(self, request):
         self.requests.append(request)
-        return ScriptedStream(request, self.script, self.cached)
+        return ScriptedStream(request, self.script, self.cached, self.delay)
 
     def stop(self):
         pass
@@ -70,10 +72,10 @@ class ScriptedEngine:
     stats = {}
 
 
-def _app(tok, fmt, script, **kwargs):
+def _app(tok, fmt, script, keepalive_s=10.0, **kwargs):
     engine = ScriptedEngine(script, **kwargs)
     backend = Backend(engine, tok, fmt, vocab_size=len(tok), max_context=4096)
-    return create_app(backend, model_id="m"), engine
+    return create_app(backend, model_id="m", keepalive_s=keepalive_s), engine
 
 
 def _reply_tokens(tok, fmt, messages, answer, **render):
@@ -190,6 +192,27 @@ def test_kimi_linear_tool_call(kl_tok):
         msg = client.messages.create(model="m", max_tokens=100, messages=[USER], tools=[
             {"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}])
         assert [b.type for b in msg.content] == ["text", "tool_use"] and msg.content[1].input == {"city": "Tokyo"}
+
+
+def test_keepalive_while_prefilling(kl_tok):
+    """A stream whose first token takes a while (a long prefill) sends keep-alives meanwhile (OpenAI: SSE comments,
+    Anthropic: ping events); the clients still read the same reply."""
+    answer = {"role": "assistant", "content": "Fine."}
+    script = _reply_tokens(kl_tok, "kimi_linear", [USER], answer)
+    app, _ = _app(kl_tok, "kimi_linear", script, keepalive_s=0.05, delay=0.4)
+    with TestClient(app) as http:
+        raw = http.post("/v1/chat/completions", json={"messages": [USER], "stream": True}).text
+        assert raw.count(": keepalive") >= 3 and raw.endswith("data: [DONE]\n\n")
+        raw = http.post("/v1/completions", json={"prompt": "x", "stream": True}).text
+        assert raw.count(": keepalive") >= 3
+        raw = http.post("/v1/messages", json={"model": "m", "max_tokens": 50, "messages": [USER], "stream": True}).text
+        assert raw.count("event: ping") >= 3 and raw.index("event: ping") < raw.index("event: message_start")
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        chunks = client.chat.completions.create(model="m", messages=[USER], stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Fine."
+        claude = anthropic.Anthropic(base_url="http://testserver", api_key="x", http_client=http, max_retries=0)
+        with claude.messages.stream(model="m", max_tokens=50, messages=[USER]) as stream:
+            assert stream.get_final_message().content[0].text == "Fine."
 
 
 def test_health_while_loading(kl_tok):

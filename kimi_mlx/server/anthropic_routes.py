@@ -9,9 +9,9 @@ the prompt tokens not read from the prefix cache, ``cache_read_input_tokens`` th
 
 Streaming sends the documented events: ``message_start``, then per block ``content_block_start``,
 ``content_block_delta`` (``thinking_delta`` / ``text_delta`` / ``input_json_delta``), ``content_block_stop``,
-then ``message_delta`` (stop reason, output tokens) and ``message_stop``; a failure mid-stream is an ``error``
-event. Thinking: ``thinking.type`` ``enabled``/``adaptive`` turns K3 thinking on, ``disabled`` off (default: the
-server's); ``budget_tokens`` is not enforced.
+then ``message_delta`` (stop reason, output tokens) and ``message_stop``; ``ping`` events while a long prompt
+prefills; a failure mid-stream is an ``error`` event. Thinking: ``thinking.type`` ``enabled``/``adaptive`` turns
+K3 thinking on, ``disabled`` off (default: the server's); ``budget_tokens`` is not enforced.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Optional
 from fastapi import APIRouter, Request
 
 from .backend import (Backend, Prompt, choose_tools, reply_budget, render_prompt, resolve_thinking, sampling_params,
-                      sse_data, sse_response, stop_ids, submit, watch_disconnect)
+                      sse_data, sse_response, stop_ids, submit, watch_disconnect, with_keepalive)
 from .errors import ApiError
 from .schemas import CountTokensRequest, MessagesRequest, parse
 from .text_stream import Generation, ReplyStream
@@ -110,7 +110,7 @@ async def messages(request: Request):
                      len(prompt.tokens))
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     if req.stream:
-        return sse_response(_events(gen, state.model_id, msg_id), gen.stream)
+        return sse_response(_events(gen, state.model_id, msg_id, state.keepalive_s), gen.stream)
     watcher = asyncio.ensure_future(watch_disconnect(request, gen.stream))
     try:
         events = [ev async for piece in gen for ev in piece.events]
@@ -136,7 +136,7 @@ async def messages(request: Request):
     return _message(state.model_id, msg_id, blocks, _usage(gen), _stop_reason(gen, calls), gen.stop_string)
 
 
-async def _events(gen: Generation, model: str, msg_id: str):
+async def _events(gen: Generation, model: str, msg_id: str, keepalive_s: float):
     started = False
     block: Optional[str] = None  # the open block's type
     index = -1
@@ -165,7 +165,10 @@ async def _events(gen: Generation, model: str, msg_id: str):
     def delta(d: dict) -> str:
         return sse_data({"type": "content_block_delta", "index": index, "delta": d}, "content_block_delta")
 
-    async for piece in gen:
+    async for piece in with_keepalive(gen, keepalive_s):
+        if piece is None:
+            yield sse_data({"type": "ping"}, "ping")
+            continue
         if not started:
             started = True
             yield start()

@@ -7,6 +7,7 @@ Errors are ``kimi_mlx.server.errors.ApiError``s (status, message, the request fi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -165,11 +166,13 @@ def submit(backend: Backend, prompt: Prompt, max_tokens: int, sampling: Sampling
 
 
 class ServerState:
-    """The app's state: the served model id, the API key, the body limit, and the backend once it has loaded
-    (``load_error`` if loading failed)."""
+    """The app's state: the served model id, the API key, the body limit, how often a stream that has nothing
+    to send yet sends a keep-alive (``keepalive_s``), and the backend once it has loaded (``load_error`` if
+    loading failed)."""
 
-    def __init__(self, model_id: str, api_key: Optional[str], max_body_bytes: int):
+    def __init__(self, model_id: str, api_key: Optional[str], max_body_bytes: int, keepalive_s: float = 10.0):
         self.model_id, self.api_key, self.max_body_bytes = model_id, api_key, max_body_bytes
+        self.keepalive_s = keepalive_s
         self.backend: Optional[Backend] = None
         self.load_error: Optional[str] = None
         self.created = int(time.time())
@@ -248,6 +251,27 @@ def sse_data(obj: Any, event: Optional[str] = None) -> str:
     """One SSE message: ``data: JSON`` (after ``event: NAME`` when given)."""
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def with_keepalive(pieces, every: float):
+    """``pieces`` (an async iterator), with ``None`` yielded whenever ``every`` seconds pass without one (a long
+    prefill), so the caller can send a keep-alive and the client's read timeout does not expire."""
+    it = pieces.__aiter__()
+    nxt = asyncio.ensure_future(it.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({nxt}, timeout=every)
+            if not done:
+                yield None
+                continue
+            try:
+                piece = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield piece
+            nxt = asyncio.ensure_future(it.__anext__())
+    finally:
+        nxt.cancel()
 
 
 async def watch_disconnect(request, stream) -> None:

@@ -20,13 +20,15 @@ from typing import Any, Optional
 from fastapi import APIRouter, Request
 
 from .backend import (Backend, Prompt, check_tokens, choose_tools, reply_budget, render_prompt, resolve_thinking,
-                      sampling_params, sse_data, sse_response, stop_ids, submit, watch_disconnect)
+                      sampling_params, sse_data, sse_response, stop_ids, submit, watch_disconnect,
+                      with_keepalive)
 from .errors import ApiError
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, parse
 from .text_stream import Generation, ReplyStream, TextStream
 
 router = APIRouter()
 
+KEEPALIVE = ": keepalive\n\n"  # an SSE comment: clients skip it
 EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
 
 
@@ -188,7 +190,7 @@ async def chat_completions(request: Request):
     reply = _Reply("chat", state.model_id)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return sse_response(_chat_chunks(backend, gen, reply, usage), gen.stream)
+        return sse_response(_chat_chunks(backend, gen, reply, usage, state.keepalive_s), gen.stream)
     content, reasoning, calls, logprobs = [], [], [], []
     for piece in await _collect(request, gen):
         for ev in piece.events:
@@ -210,7 +212,7 @@ async def chat_completions(request: Request):
     return reply.envelope("chat.completion", [choice], _usage(gen))
 
 
-async def _chat_chunks(backend: Backend, gen: Generation, reply: _Reply, include_usage: bool):
+async def _chat_chunks(backend: Backend, gen: Generation, reply: _Reply, include_usage: bool, keepalive_s: float):
     def chunk(delta: dict, finish: Optional[str] = None, logprobs: Optional[list] = None) -> str:
         choice = {"index": 0, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs},
                   "finish_reason": finish}
@@ -218,7 +220,10 @@ async def _chat_chunks(backend: Backend, gen: Generation, reply: _Reply, include
 
     yield chunk({"role": "assistant", "content": ""})
     calls = 0
-    async for piece in gen:
+    async for piece in with_keepalive(gen, keepalive_s):
+        if piece is None:
+            yield KEEPALIVE
+            continue
         deltas = []
         for ev in piece.events:
             if ev.kind == "content":
@@ -278,7 +283,8 @@ async def completions(request: Request):
     reply = _Reply("completion", state.model_id)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return sse_response(_completion_chunks(backend, gen, reply, req.logprobs is not None, usage), gen.stream)
+        chunks = _completion_chunks(backend, gen, reply, req.logprobs is not None, usage, state.keepalive_s)
+        return sse_response(chunks, gen.stream)
     text, logprobs = "", _new_logprobs()
     for piece in await _collect(request, gen):
         _completion_logprobs(backend.tokenizer, gen, piece, len(text), logprobs)
@@ -290,9 +296,12 @@ async def completions(request: Request):
 
 
 async def _completion_chunks(backend: Backend, gen: Generation, reply: _Reply, want_logprobs: bool,
-                             include_usage: bool):
+                             include_usage: bool, keepalive_s: float):
     offset = 0
-    async for piece in gen:
+    async for piece in with_keepalive(gen, keepalive_s):
+        if piece is None:
+            yield KEEPALIVE
+            continue
         logprobs = _new_logprobs()
         _completion_logprobs(backend.tokenizer, gen, piece, offset, logprobs)
         offset += len(piece.text)
