@@ -90,6 +90,10 @@ CASES = [
      "reasoning_effort"),
     ("unknown template kwarg", "/chat/completions", chat(chat_template_kwargs={"foo": True}), AUTH, 400,
      "chat_template_kwargs"),
+    ("json mode on Kimi Linear", "/chat/completions", chat(response_format={"type": "json_object"}), AUTH, 400,
+     "response_format"),
+    ("unknown response_format", "/chat/completions", chat(response_format={"type": "yaml"}), AUTH, 400,
+     "response_format"),
     ("unknown model", "/chat/completions", chat(model="gpt-5"), AUTH, 404, "model"),
     ("prompt over the context", "/chat/completions", chat(messages=[{"role": "user", "content": "x" * CONTEXT}]), AUTH,
      400, "messages"),
@@ -134,6 +138,19 @@ def test_bad_request(server, name, path, body, headers, status, param):
         assert err["error"]["type"] and err["error"]["param"] == param
     assert err["error"]["message"].startswith(param or "")
     assert httpx.get(server.url + "/models", headers=AUTH).status_code == 200  # still serving
+
+
+def test_explicit_nulls_are_defaults(server):
+    """``null`` for an optional field means the default (clients send them)."""
+    nulls = {k: None for k in ("temperature", "top_p", "max_tokens", "stop", "n", "stream", "stream_options",
+                               "logprobs", "top_logprobs", "seed", "tools", "tool_choice", "response_format",
+                               "logit_bias", "reasoning_effort", "chat_template_kwargs")}
+    r = httpx.post(server.url + "/chat/completions", json=chat(**nulls), headers=AUTH)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    r = httpx.post(server.url + "/completions", json={"prompt": "Hi", "echo": None, "logprobs": None}, headers=AUTH)
+    assert r.status_code == 200
+    r = httpx.post(server.url + "/messages", json=anth(stream=None, stop_sequences=None, system=None), headers=AUTH)
+    assert r.status_code == 200
 
 
 def test_method_and_model_routes(server):

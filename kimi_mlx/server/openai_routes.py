@@ -151,6 +151,9 @@ def _thinking(backend: Backend, req: ChatCompletionRequest) -> tuple[Optional[bo
 
 def _chat_prompt(backend: Backend, req: ChatCompletionRequest) -> Prompt:
     thinking, effort = _thinking(backend, req)
+    if backend.chat_format == "kimi_linear" and (req.response_format or {}).get("type", "text") != "text":
+        raise ApiError(400, "response_format: the Kimi Linear chat format has no JSON mode (only text)",
+                       "response_format")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice
     name = choice["function"]["name"] if isinstance(choice, dict) else None

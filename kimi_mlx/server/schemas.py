@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI (chat completions, completions) and Anthropic (messages, count_tokens) APIs as
 pydantic models: strict types (a string where a number belongs is an error, not a conversion), documented ranges,
-unknown fields ignored (as OpenAI does). ``parse(model, body)`` turns the raw body into one, or an ``ApiError``
+unknown fields ignored (as OpenAI does), an explicit ``null`` the same as leaving a field out. ``parse(model, body)`` turns the raw body into one, or an ``ApiError``
 (400) whose ``param`` names the field, as ``messages[1].content``.
 
 Message content is validated here and normalised to what ``kimi_mlx.chat.format`` renders: text (a string, or a
@@ -153,7 +153,7 @@ class Tool(_Body):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: Optional[bool] = None
 
 
 class _Sampling(_Body):
@@ -171,7 +171,7 @@ class _Sampling(_Body):
     seed: Optional[int] = None
     stop: Any = Field(None, validate_default=True)
     n: Optional[int] = None
-    stream: bool = False
+    stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[int] = Field(None, ge=1)
 
@@ -204,7 +204,7 @@ class _Sampling(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     tools: Optional[list[Tool]] = None
     tool_choice: Any = None
@@ -260,7 +260,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: Any
     logprobs: Optional[int] = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: Optional[bool] = None
 
     @field_validator("echo")
     @classmethod
@@ -373,7 +373,7 @@ class _AnthropicPrompt(_Body):
 class MessagesRequest(_AnthropicPrompt):
     max_tokens: int = Field(ge=1)
     stop_sequences: Any = Field(None, validate_default=True)
-    stream: bool = False
+    stream: Optional[bool] = None
     temperature: Optional[float] = Field(None, ge=0, le=1)
     top_p: Optional[float] = Field(None, ge=0, le=1)
     top_k: Optional[int] = Field(None, ge=0)
