@@ -42,7 +42,7 @@ def make_sampling(
     return sampler, processors
 
 
-def _held_back(text: str, stop_strings: Sequence[str]) -> int:
+def held_back(text: str, stop_strings: Sequence[str]) -> int:
     """How many trailing characters of ``text`` could still be the start of a stop string."""
     hold = 0
     for s in stop_strings:
@@ -132,7 +132,7 @@ def stream_generate(
             return
         if n == max_tokens:
             break
-        safe = len(text) - _held_back(text, stop_strings)
+        safe = len(text) - held_back(text, stop_strings)
         if safe > emitted or n == 1:
             yield response(token, logprobs, n, text[emitted:safe], None)
             emitted = max(emitted, safe)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..chat.parser import ReplyEvent, ReplyParser
-from ..generate import _held_back
+from ..generate import held_back
 from .scheduler import FinishEvent, RequestStream, TokenEvent
 
 log = logging.getLogger("kimi_mlx.server")
@@ -64,7 +64,7 @@ class TextStream:
         if hits:
             end, self.stop_string = min(hits)
         else:
-            end = len(self._decoded) - (0 if final else _held_back(self._decoded, self._stops))
+            end = len(self._decoded) - (0 if final else held_back(self._decoded, self._stops))
         out = self._decoded[start:end] if end > start else ""
         self.text += out
         return out
