@@ -345,6 +345,31 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/server/scheduler.py", "tokens if self.leader else tokens * 0", "tokens if self.leader else mx.zeros_like(tokens)"),),
         ("tests/test_server_distributed.py::test_two_ranks_serve_the_single_process_output[pipeline]",),
     ),
+    PlantedBug(
+        "serve: usage reports no cached prompt tokens",
+        (("kimi_mlx/server/openai_routes.py", '"prompt_tokens_details": {"cached_tokens": gen.cached_tokens}',
+          '"prompt_tokens_details": {"cached_tokens": 0}'),),
+        ("tests/test_server_api.py::test_chat_whole_and_streamed_equal_greedy",),
+    ),
+    PlantedBug(
+        "serve: the text stream does not hold back a possible stop-string start",
+        (("kimi_mlx/server/text_stream.py", "(0 if final else held_back(self._decoded, self._stops))", "0"),),
+        ("tests/test_server_app.py::test_text_stream_stop_strings_and_utf8", "tests/test_server_api.py::test_stop_strings"),
+    ),
+    PlantedBug(
+        "serve: streamed reasoning only as `reasoning` (no `reasoning_content`)",
+        (("kimi_mlx/server/openai_routes.py", '{"reasoning_content": ev.text, "reasoning": ev.text}',
+          '{"reasoning": ev.text}'),),
+        ("tests/test_server_app.py::test_k3_reasoning_and_tool_call_openai",),
+    ),
+    PlantedBug(
+        "serve: a streamed response that ends early does not cancel its generation",
+        (("kimi_mlx/server/backend.py", "return _EventStream(chunks, stream.cancel)",
+          "return _EventStream(chunks, lambda: None)"),
+         ("kimi_mlx/server/text_stream.py", "        finally:\n            self.stream.cancel()\n",
+          "        finally:\n"),),
+        ("tests/test_server_api.py::test_disconnect_stops_the_generation",),
+    ),
 )
 
 
