@@ -18,7 +18,7 @@ streaming, greedy (temperature 0):
 Values are medians over ``--runs`` rounds (after one warm-up round); both servers take turns within each round and
 the ratio kimi-mlx / mlx-lm is the median of the per-round ratios. See bench/README.md.
 
-    python bench/bench_server.py --quick                    # one round, small sizes (~2-3 min)
+    python bench/bench_server.py --quick                    # one round, small sizes (~2 min with OpenBLAS)
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python bench/bench_server.py
 """
 
@@ -398,8 +398,8 @@ async def agent(client, model: str, wl: Workload, turns: int, max_tokens: int, s
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="one round and small sizes (--runs 1 --max-tokens 16 --system-tokens 200 --tool-tokens "
-                         "100 --agent-max-tokens 8): a couple of minutes")
+                    help="one round, no warm-up round, small sizes (--runs 1 --max-tokens 16 --system-tokens 200 "
+                         "--tool-tokens 100 --agent-max-tokens 8): a couple of minutes, rough numbers")
     ap.add_argument("--runs", type=int, default=3, help="timed rounds (median), after 1 warm-up round")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="concurrent streaming clients")
     ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each throughput request")
@@ -436,14 +436,14 @@ def table(rows: list[tuple[str, dict, str]], names: list[str]) -> None:
     print("(values: medians over the rounds; ratio: median of the per-round ratios kimi-mlx / mlx-lm)")
     both = len(names) == 2
     print(f"| {'metric':44s} | " + " | ".join(f"{n:>9s}" for n in names)
-          + (" | kimi-mlx / mlx-lm | target |" if both else " |"))
-    print("|" + "-" * 46 + "|" + "|".join("-" * 11 for _ in names) + ("|" + "-" * 19 + "|" + "-" * 8 + "|" if both
+          + (" | kimi-mlx / mlx-lm | target  |" if both else " |"))
+    print("|" + "-" * 46 + "|" + "|".join("-" * 11 for _ in names) + ("|" + "-" * 19 + "|" + "-" * 9 + "|" if both
                                                                        else "|"))
     for metric, vals, target in rows:
         line = f"| {metric:44s} | " + " | ".join(f"{statistics.median(vals[n]):9.2f}" for n in names)
         if both:
             ratio = statistics.median(k / m for k, m in zip(vals["kimi-mlx"], vals["mlx-lm"]))
-            line += f" | {ratio:16.2f}x | {target:6s} |"
+            line += f" | {ratio:16.2f}x | {target:7s} |"
         else:
             line += " |"
         print(line)
@@ -463,7 +463,10 @@ async def bench(args, servers: dict[str, Server], wl: Workload) -> None:
     ttft = [{n: [] for n in names} for _ in range(args.turns)]
     turn_info: dict[str, list[dict]] = {}
     texts = {n: [] for n in names}  # every timed request's generated text, in the same order on both servers
-    for rnd in range(args.runs + 1):  # round 0: warm-up (loads, shape-specialised compiles)
+    if args.quick:  # no warm-up round: one short request each (mlx_lm.server loads its model on the first one)
+        for n in names:
+            await stream_chat(clients[n], servers[n].model, wl.throughput_messages("warm-up", 0), 4)
+    for rnd in range(1 if args.quick else 0, args.runs + 1):  # round 0: warm-up (shape-specialised compiles)
         order = names if rnd % 2 == 0 else names[::-1]
         label = "warm-up" if rnd == 0 else f"round {rnd}"
         for c in args.clients:
@@ -471,7 +474,7 @@ async def bench(args, servers: dict[str, Server], wl: Workload) -> None:
                 r = await throughput(clients[n], servers[n].model, wl, c, args.max_tokens, f"{rnd}")
                 note = "" if r["usage"] else " (no usage reported: content chunks counted)"
                 note += f" ({r['retries']} connection(s) reset and retried at once)" if r["retries"] else ""
-                print(f"  {label:8s} {n:8s} {c:2d} clients: {r['tps']:7.1f} tok/s, {r['tokens']:.1f} tokens/request"
+                print(f"  {label:8s} {n:8s} {c:2d} client(s): {r['tps']:7.1f} tok/s, {r['tokens']:.1f} tokens/request"
                       f" (prompt {r['prompt']:.0f}){note}", flush=True)
                 if rnd:
                     tps[c][n].append(r["tps"])
@@ -538,7 +541,8 @@ def main(argv=None) -> int:
     wl = Workload(model_dir, args.system_tokens, args.tool_tokens)
     print(f"workload: {args.clients} concurrent clients x max_tokens {args.max_tokens}; agent: {args.turns} turns, "
           f"system prompt {wl.n(wl.system)} tokens + {len(TOOLS)} tools, +1 tool call and a {args.tool_tokens}-token "
-          f"result per turn, max_tokens {args.agent_max_tokens}; greedy; {args.runs} round(s) after 1 warm-up")
+          f"result per turn, max_tokens {args.agent_max_tokens}; greedy; {args.runs} round(s) "
+          + ("(--quick: no warm-up round)" if args.quick else "after 1 warm-up round"))
     logdir = args.logs or Path(tempfile.mkdtemp(prefix="bench_server_"))
     logdir.mkdir(parents=True, exist_ok=True)
     servers = make_servers(which, model_dir, args, logdir)
