@@ -338,7 +338,7 @@ def profile_targets(which: str, k3: bool = False) -> list[tuple[object, str, str
         from kimi_mlx.layers.mla import KimiMLA
         from kimi_mlx.models.kimi_k3 import ResidualMix
 
-        scan, experts, ml = (kda_layer, "kda_forward"), (moe_layer, "switch_glu"), None
+        scan, experts, ml = (kda_layer, "kda_gated"), (moe_layer, "switch_glu"), None
         classes = (kda_layer.KimiDeltaAttention, KimiMLA, moe_layer.SparseMoE, moe_layer.MLP)
         res_mix = (ResidualMix, "__call__")
     else:
