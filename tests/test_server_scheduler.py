@@ -220,3 +220,35 @@ def test_penalties_see_prompt_and_reply(demo, engine):
     other = e.submit(GenerationRequest(_prompts(512, [9])[0], 16))
     assert _run(e.submit(GenerationRequest(p, 16, SamplingParams(**kw))))[0] == ref
     _run(other)
+
+
+def test_a_failing_request_ends_alone_and_a_stopped_engine_refuses(demo, engine):
+    """A request whose cache cannot be made ends with an "error" event naming the cause; the next request is served
+    as usual. After ``stop()`` requests in flight end with "error" and ``submit`` raises EngineStoppedError."""
+    from kimi_mlx.server.scheduler import EngineStoppedError
+
+    model, tok = demo
+    fail = []
+
+    class Flaky:
+        def __call__(self, *a, **k):
+            return model(*a, **k)
+
+        def make_cache(self):
+            if fail:
+                fail.pop()
+                raise MemoryError("no room for a cache")
+            return model.make_cache()
+
+    p = _prompts(512, [9])[0]
+    e = engine(Flaky(), prompt_cache_bytes=0)
+    fail.append(True)
+    tokens, _, fin = _run(e.submit(GenerationRequest(p, N)))
+    assert (tokens, fin.reason) == ([], "error") and "no room for a cache" in fin.error
+    assert _run(e.submit(GenerationRequest(p, N)))[0] == _reference(model, tok, p)
+    running = e.submit(GenerationRequest(p, 100000))
+    next(iter(running))
+    e.stop()
+    assert _run(running)[2].reason == "error"
+    with pytest.raises(EngineStoppedError):
+        e.submit(GenerationRequest(p, N))

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from ..chat.format import render_chat_with_starts
 from .errors import ApiError
-from .scheduler import GenerationRequest, QueueFullError, RequestStream, SamplingParams
+from .scheduler import EngineStoppedError, GenerationRequest, QueueFullError, RequestStream, SamplingParams
 
 THINKING_EFFORTS = ("low", "high", "max")
 
@@ -163,6 +163,8 @@ def submit(backend: Backend, prompt: Prompt, max_tokens: int, sampling: Sampling
     except QueueFullError as e:
         raise ApiError(429, str(e), code="rate_limit_exceeded",
                        headers={"Retry-After": str(max(1, round(e.retry_after)))}) from None
+    except EngineStoppedError as e:
+        raise ApiError(503, str(e)) from None
 
 
 class ServerState:

@@ -38,7 +38,7 @@ from ..parallel import comm
 from .prefix_cache import PrefixCache
 from .sampling import RowSampler, SamplingParams, top_logprobs
 
-__all__ = ["FinishEvent", "GenerationRequest", "QueueFullError", "RequestStream", "SamplingParams", "Scheduler",
+__all__ = ["EngineStoppedError", "FinishEvent", "GenerationRequest", "QueueFullError", "RequestStream", "SamplingParams", "Scheduler",
            "TokenEvent"]
 
 
@@ -77,6 +77,10 @@ class FinishEvent:
 
 
 Event = Union[TokenEvent, FinishEvent]
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop is not running (stopped, or failed: the message says why)."""
 
 
 class QueueFullError(RuntimeError):
@@ -234,7 +238,7 @@ class Scheduler:
         if not self.leader:
             raise RuntimeError("requests go to rank 0")
         if self.failure is not None or self._stopping:
-            raise RuntimeError(f"the engine is not running ({self.failure or 'stopped'})")
+            raise EngineStoppedError(f"the engine is not running ({self.failure or 'stopped'})")
         waiting = len(self._inbox) + len(self._waiting) + len(self._running) - self.max_batch
         if waiting >= self.max_queue:
             typical = sorted(self._durations)[len(self._durations) // 2] if self._durations else 1.0
@@ -339,7 +343,12 @@ class Scheduler:
             if row.id in plan.cancel:
                 row.cancelled = True
         for rid, stream, entry_id in plan.admit:
-            self._waiting.append(self._start(rid, stream, entry_id))
+            try:
+                self._waiting.append(self._start(rid, stream, entry_id))
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                if self.group is not None:  # the ranks may no longer agree on the batch: stop them all
+                    raise
+                stream._put(FinishEvent("error", len(stream.request.tokens), 0, 0, f"{type(e).__name__}: {e}"))
 
     def _start(self, rid: int, stream: RequestStream, entry_id: Optional[int]) -> _Row:
         """A row for ``stream``: its cache from prefix snapshot ``entry_id`` (or empty), and its snapshot points."""
