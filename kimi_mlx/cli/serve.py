@@ -168,7 +168,14 @@ def _serve(args: argparse.Namespace, group) -> int:
     log.info(f"kimi-mlx serve: loading {args.model}; {url} answers /health with 503 until it is ready")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=5))
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        pass
+    # MLX 0.32 aborts at interpreter exit ("terminate called without an active exception") once a compiled CPU
+    # kernel ran only on other threads (the load and engine threads here); one synchronize on the main thread
+    # first avoids it.
+    mx.synchronize()
     if failed:
         print(f"kimi-mlx: error: {failed[0]}", file=sys.stderr)
         return 2
