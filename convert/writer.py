@@ -78,7 +78,7 @@ def hf_text_config(cfg) -> dict:
         "hidden_act": cfg.hidden_act,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": 10000.0,
-        "model_max_length": 1048576,
+        "model_max_length": cfg.model_max_length or 1048576,
         "linear_attn_config": lac,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "bos_token_id": cfg.bos_token_id,

@@ -65,6 +65,7 @@ class KimiConfig:
     kda_l2_eps: float = 1e-6
     bos_token_id: Optional[int] = None
     eos_token_id: list[int] = field(default_factory=list)
+    model_max_length: Optional[int] = None  # longest context the model takes (None: not given)
     model_type: str = "kimi_linear"
     # Kimi-K3 features
     hidden_act: str = "silu"  # "silu" (SwiGLU) or "situ"
@@ -190,6 +191,8 @@ class KimiConfig:
         eos = raw.get("eos_token_id")
         eos_list = [eos] if isinstance(eos, int) else list(eos or [])
         n_experts = raw.get("num_experts") or 0
+        context_key = next((k for k in ("model_max_length", "max_position_embeddings") if raw.get(k) is not None),
+                           None)
         cfg = cls(
             vocab_size=positive("vocab_size", need("vocab_size")),
             hidden_size=positive("hidden_size", need("hidden_size")),
@@ -220,6 +223,7 @@ class KimiConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos_list,
+            model_max_length=positive(context_key, raw[context_key]) if context_key else None,
             model_type="kimi_k3" if k3 else "kimi_linear",
             hidden_act=act,
             situ_beta=situ_beta,

@@ -3,7 +3,9 @@
 ``stream_generate`` yields ``mlx_lm.generate.GenerationResponse`` objects (text segment, token, logprobs, prompt and
 generation tokens/s, peak memory, finish reason); ``generate`` returns the whole text. Our additions over
 ``mlx_lm.stream_generate``: sampling options by name, extra stop tokens and stop strings (never emitted, even in
-part), and ``batch_generate`` for a ragged, left-padded batch with the hybrid cache.
+part), and ``batch_generate`` for a ragged, left-padded batch with the hybrid cache. Prompts are checked before
+anything runs: ids outside the vocabulary (``TokenIdError``) and prompts past the model's ``model_max_length``
+(``ContextLengthError``) are refused.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse, generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .validation import check_context, check_token_ids
 
 
 def make_sampling(
@@ -51,6 +55,13 @@ def held_back(text: str, stop_strings: Sequence[str]) -> int:
                 hold = max(hold, n)
                 break
     return hold
+
+
+def check_prompt(model: nn.Module, prompt: mx.array, cached: int = 0, what: str = "token id") -> None:
+    """Refuse a prompt (``[T]`` ids) with an id outside the model's vocabulary or that, after ``cached`` tokens
+    already in its cache, goes past the model's ``model_max_length``."""
+    check_token_ids(prompt, model.args.vocab_size, what)
+    check_context(prompt.size, model.args.model_max_length, cached)
 
 
 def stream_generate(
@@ -91,6 +102,7 @@ def stream_generate(
     prompt = mx.array(prompt) if not isinstance(prompt, mx.array) else prompt
     if prompt.size == 0:
         raise ValueError("prompt is empty: give at least one token")
+    check_prompt(model, prompt, cached=next(iter(prompt_cache)).offset if prompt_cache else 0)
     sampler, processors = make_sampling(
         temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
@@ -175,6 +187,8 @@ def batch_generate(
     The prompts are prefilled in chunks of ``prefill_step_size`` tokens (bounded activation memory).
     Returns (generated ids per prompt, per-step logprobs ``[B, vocab]``); no early stop, each row gets max_tokens.
     """
+    for i, p in enumerate(prompts):
+        check_prompt(model, mx.array(p, dtype=mx.int32), what=f"prompt {i}: token id")
     longest = max(len(p) for p in prompts)
     padding = [longest - len(p) for p in prompts]
     tokens = mx.array([[pad_id] * pad + list(p) for pad, p in zip(padding, prompts)])

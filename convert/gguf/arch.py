@@ -89,7 +89,7 @@ def build_config(g: GGUFFile) -> KimiConfig:
     p = arch + "."
     n_layer = g.get_int(p + "block_count", minimum=1)
     E = g.get_int(p + "embedding_length", minimum=1)
-    g.get_int(p + "context_length", minimum=1)
+    context = g.get_int(p + "context_length", minimum=1)
     H = g.get_int(p + "attention.head_count", minimum=1)
     kv = g.get_array(p + "attention.head_count_kv", "int", length=n_layer)
     bad = [x for x in kv if x not in (0, 1)]
@@ -149,7 +149,7 @@ def build_config(g: GGUFFile) -> KimiConfig:
         tie_word_embeddings="output.weight" not in names,
         # llama.cpp uses rms_norm_eps for every norm, and x / max(|x|, eps) for the KDA q/k L2 norm
         mla_kv_norm_eps=eps, mla_q_norm_eps=eps, kda_l2_eps=eps * eps,
-        bos_token_id=bos, eos_token_id=[eos] if eos is not None else [],
+        bos_token_id=bos, eos_token_id=[eos] if eos is not None else [], model_max_length=context,
     )
     if not k3:
         kw.update(model_type="kimi_linear", moe_renormalize=True)

@@ -36,7 +36,7 @@ import mlx.core as mx
 
 from .format import detect_chat_format, render_chat
 from .parser import ReplyEvent, ReplyParser
-from ..generate import stream_generate
+from ..generate import check_prompt, stream_generate
 from ..prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
 
 SESSION_KEY = "chat_session"  # prompt-cache file metadata key holding the session as JSON
@@ -275,6 +275,7 @@ class ChatSession:
         self.messages.extend(new_messages)
         try:
             prompt = self.render()
+            check_prompt(self.model, mx.array(prompt, dtype=mx.int32))
         except (ValueError, TypeError):
             del self.messages[len(self.messages) - len(new_messages) :]
             raise

@@ -2,6 +2,7 @@
 
 Follows mlx-lm's model protocol: ``model(inputs [B, T] int, cache) -> logits [B, T, vocab]``, ``model.layers``,
 ``make_cache()``, ``sanitize(weights)``; parameter paths match mlx-lm's ``kimi_linear`` (LoRA adapters carry over).
+An id outside ``[0, vocab_size)`` raises ``TokenIdError`` (``validation.check_token_ids``) before any layer runs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..layers.kda import KimiDeltaAttention
 from ..layers.mla import KimiMLA
 from ..layers.moe import MLP, SparseMoE, make_activation
 from ..layers.norm import RMSNorm
+from ..validation import check_token_ids
 
 
 class DecoderLayer(nn.Module):
@@ -91,6 +93,8 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None) -> mx.array:
+        if input_embeddings is None:
+            check_token_ids(inputs, self.args.vocab_size)
         h = self.model(inputs, cache, input_embeddings)
         if "lm_head" in self:
             return self.lm_head(h)
