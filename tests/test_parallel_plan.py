@@ -272,11 +272,11 @@ def test_cache_sizes_match_the_spec(kl_raw, k3_raw):
                                         (k3_raw, 27648, 414 * 2**20, 14.6 * 2**20)):
         acct = account_config(raw)
         layers = range(acct.cfg.num_hidden_layers)
-        assert cache_bytes(acct, 1, layers) - cache_bytes(acct, 0, layers) == per_token
-        assert cache_bytes(acct, 0, layers) == pytest.approx(state + conv, rel=0.01)
+        assert cache_bytes(acct.cfg, 1, layers) - cache_bytes(acct.cfg, 0, layers) == per_token
+        assert cache_bytes(acct.cfg, 0, layers) == pytest.approx(state + conv, rel=0.01)
     acct = account_config(kl_raw)
     mla = [i for i in range(27) if not acct.cfg.is_kda_layer(i)]
-    assert cache_bytes(acct, 2**20, mla) / GIB == 7.875
+    assert cache_bytes(acct.cfg, 2**20, mla) / GIB == 7.875
 
 
 def test_k3_as_released_needs_four_512gb_macs(k3_raw):
@@ -312,7 +312,7 @@ def test_tensor_plan_replicates_and_splits(k3_raw):
     replicated = sum(acct.nbytes[p.name] for p in acct.params if p.split is None)
     assert sum(r.weights for r in plan.ranks) == pytest.approx(acct.total + 2 * replicated, abs=3)
     assert [len(r.share.experts) for r in plan.ranks] == [299, 299, 298]
-    single = cache_bytes(acct, 4096, range(93))
+    single = cache_bytes(acct.cfg, 4096, range(93), act_bytes=acct.act_bytes)
     mla = 4096 * 576 * 2 * 24
     assert sum(r.cache for r in plan.ranks) == pytest.approx(single + 2 * mla, rel=1e-9)
 

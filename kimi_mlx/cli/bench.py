@@ -3,6 +3,9 @@
 Each trial feeds a fresh cache a random prompt (fixed seed, ids below the vocabulary size) and generates exactly
 ``--generation-tokens`` greedy tokens (EOS is ignored); one warm-up trial, then medians over ``--num-trials``.
 
+Each row also gives the cache bytes at the prompt length (``parallel.plan.cache_bytes``: MLA latent + KDA state of
+the whole model, float cache in the model's dtype).
+
 With ``--parallel`` (under ``mlx.launch``) every rank runs the same trials; rank 0's timings are printed.
 """
 
@@ -15,6 +18,7 @@ import time
 
 import mlx.core as mx
 
+from ..parallel.plan import cache_bytes
 from . import ranks
 from .generate import add_model_args, load_from_args
 
@@ -86,15 +90,17 @@ def _run(args: argparse.Namespace, group) -> int:
         prompt = mx.random.randint(0, tokenizer.vocab_size, (length,))
         trial(model, prompt, args.generation_tokens, args.prefill_step_size)  # warm-up (compiles, allocations)
         runs = [trial(model, prompt, args.generation_tokens, args.prefill_step_size) for _ in range(args.num_trials)]
+        act_bytes = model.layers[0].input_layernorm.weight.dtype.size  # the model's float dtype (norms stay in it)
         rows.append({"prompt_tokens": length, "generation_tokens": args.generation_tokens,
+                     "cache_bytes": cache_bytes(model.args, length, act_bytes=act_bytes),
                      **{k: statistics.median(r[k] for r in runs) for k in runs[0]}})
     info = {"model": str(args.model), "device": str(mx.default_device()), "trials": args.num_trials, "results": rows}
     if args.json:
         print(json.dumps(info))
         return 0
     print(f"{args.model} on {info['device']}: medians of {args.num_trials} trials after a warm-up, fresh cache each")
-    print(f"{'prompt':>7} {'generate':>8} {'prompt tok/s':>13} {'gen tok/s':>10} {'peak GB':>8}")
+    print(f"{'prompt':>7} {'generate':>8} {'prompt tok/s':>13} {'gen tok/s':>10} {'peak GB':>8} {'cache MB':>9}")
     for r in rows:
         print(f"{r['prompt_tokens']:>7} {r['generation_tokens']:>8} {r['prompt_tps']:>13.1f} "
-              f"{r['generation_tps']:>10.1f} {r['peak_memory_gb']:>8.3f}")
+              f"{r['generation_tps']:>10.1f} {r['peak_memory_gb']:>8.3f} {r['cache_bytes'] / 1e6:>9.3f}")
     return 0

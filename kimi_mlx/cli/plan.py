@@ -58,6 +58,10 @@ def add_parser(commands) -> None:
                    "Thunderbolt 5; ring over TCP is ~10x)")
     p.add_argument("--context", type=int, default=32768, metavar="N",
                    help="tokens of context: the cache is sized for it, decode is predicted at it, prefill of it")
+    p.add_argument("--kv-bits", type=int, choices=(4, 8), default=None,
+                   help="size the MLA latent cache quantized to this many bits (default: float, the model dtype)")
+    p.add_argument("--kv-group-size", type=int, choices=GROUP_SIZES, default=64,
+                   help="quantization group of the latent cache (with --kv-bits)")
     p.add_argument("--reserve", type=float, default=8.0, metavar="GIB",
                    help="memory per host kept for macOS and activations, in GiB (default 8)")
     p.add_argument("--parallel", choices=("pipeline", "tensor"), default="pipeline")
@@ -156,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
         hosts = hosts_from_args(args)
         acct = accounting_from_args(args)
         link = Link(args.link_bandwidth, args.link_latency_us)
-        common = dict(context=args.context, reserve_gib=args.reserve, prefill_chunk=args.prefill_step_size)
+        common = dict(context=args.context, reserve_gib=args.reserve, prefill_chunk=args.prefill_step_size,
+                      kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
         if args.split is not None:
             try:
                 pipeline_ranges(acct.layer_bytes(), [1] * len(hosts), args.split)
@@ -226,7 +231,9 @@ def _table(plan: Plan, unit: tuple[float, str]) -> list[str]:
     def line(cells):
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
-    title = (f"{plan.mode} over {len(plan.ranks)} host(s), context {plan.context:,} tokens, {plan.reserve_gib:g} GiB "
+    kv = "float" if plan.kv_bits is None else f"{plan.kv_bits}-bit g{plan.kv_group_size}"
+    title = (f"{plan.mode} over {len(plan.ranks)} host(s), context {plan.context:,} tokens ({kv} latent cache), "
+             f"{plan.reserve_gib:g} GiB "
              f"reserved per host; sizes in {name} (1{'e9' if name == 'GB' else 'e6'} bytes), host memory in GiB "
              f"(2^30 bytes)")
     return [title, line(head)] + [line(row) for row in rows]

@@ -582,27 +582,40 @@ def weight_bytes(acct: Accounting, layers: range, parts: frozenset, share: Optio
                      for p in acct.params if _held(p, layers, parts)))
 
 
-def cache_bytes(acct: Accounting, context: int, layers: Sequence[int], share: Optional[TensorShare] = None) -> int:
-    """Cache bytes of one sequence at ``context`` tokens for ``layers``: per MLA layer the latent
-    ``(kv_lora_rank + qk_rope_head_dim)`` values per token (whole on every tensor-parallel rank), per KDA layer the
-    conv state ``(K-1) x 3 x heads x head_dim`` (activation dtype) and the float32 state ``heads x D x D`` (split by
-    heads under tensor parallelism)."""
-    cfg, a = acct.cfg, acct.act_bytes
+def cache_bytes(cfg: KimiConfig, context: int, layers: Optional[Sequence[int]] = None,
+                share: Optional[TensorShare] = None, *, act_bytes: int = 2, kv_bits: Optional[int] = None,
+                kv_group_size: int = 64) -> int:
+    """Cache bytes of one sequence at ``context`` tokens for ``layers`` (None: every layer), what
+    ``model.make_cache()`` holds after that many tokens.
+
+    Per MLA layer and token the latent ``kv_lora_rank`` + ``qk_rope_head_dim`` values (whole on every
+    tensor-parallel rank): ``act_bytes`` each (the model's float dtype) when ``kv_bits`` is None; with ``kv_bits`` 8
+    or 4 each part is stored like ``mx.quantize`` (affine) lays it out along its width: uint32-packed codes
+    (``width * kv_bits / 8`` bytes) plus one scale and one bias per ``kv_group_size`` values, both in the model's
+    float dtype (``act_bytes``: bfloat16 for the released checkpoints); a part whose width the group does not
+    divide stays float. Per KDA layer, whatever ``kv_bits``: the conv state ``(K-1) x 3 x heads x head_dim``
+    (``act_bytes``) and the float32 recurrent state ``heads x head_dim x head_dim`` (heads split under tensor
+    parallelism)."""
+    layers = range(cfg.num_hidden_layers) if layers is None else layers
     heads = cfg.kda_num_heads if share is None else len(share.kda_heads)
-    kda = heads * cfg.kda_head_dim * (3 * (cfg.short_conv_kernel_size - 1) * a + cfg.kda_head_dim * 4)
-    mla = context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * a
-    return sum(kda if cfg.is_kda_layer(i) else mla for i in layers)
+    kda = heads * cfg.kda_head_dim * (3 * (cfg.short_conv_kernel_size - 1) * act_bytes + cfg.kda_head_dim * 4)
+    spec = None if kv_bits is None else QuantSpec(kv_bits, kv_group_size)
+    per_token = sum(width * act_bytes if spec is None or width % kv_group_size else spec.nbytes((width,), act_bytes)
+                    for width in (cfg.kv_lora_rank, cfg.qk_rope_head_dim))
+    return sum(kda if cfg.is_kda_layer(i) else context * per_token for i in layers)
 
 
 def decode_bytes(acct: Accounting, context: int, layers: range, parts: frozenset,
-                 share: Optional[TensorShare] = None) -> float:
+                 share: Optional[TensorShare] = None, kv: Optional[dict] = None) -> float:
     """Bytes one decoded token reads on a rank at ``context``: the weights it uses (every expert share at top-k/E,
-    one embedding row) plus its cache (MLA latent read once; KDA state read and written)."""
+    one embedding row) plus its cache (MLA latent read once; KDA state read and written). ``kv``: ``cache_bytes``'s
+    ``kv_bits`` / ``kv_group_size``."""
     cfg = acct.cfg
     weights = sum(acct.nbytes[p.name] * _fraction(cfg, p, share) * _read_fraction(cfg, p)
                   for p in acct.params if _held(p, layers, parts))
-    kda_state = cache_bytes(acct, 0, [i for i in layers if cfg.is_kda_layer(i)], share)
-    return weights + cache_bytes(acct, context, layers, share) + kda_state
+    a = acct.act_bytes
+    kda_state = cache_bytes(cfg, 0, [i for i in layers if cfg.is_kda_layer(i)], share, act_bytes=a)
+    return weights + cache_bytes(cfg, context, layers, share, act_bytes=a, **(kv or {})) + kda_state
 
 
 def token_flops(acct: Accounting, context: float, layers: range, parts: frozenset,
@@ -749,6 +762,8 @@ class Plan:
     decode: Optional[Speed]
     prefill: Optional[Speed]
     link_bytes: float  # bytes sent per decoded token by the busiest rank
+    kv_bits: Optional[int] = None  # latent cache layout (``cache_bytes``)
+    kv_group_size: int = 64
 
     @property
     def fits(self) -> bool:
@@ -785,26 +800,28 @@ def _check_hosts(hosts: Sequence[Host], reserve_gib: float) -> None:
 
 def plan_pipeline(acct: Accounting, hosts: Sequence[Host], link: Link = JACCL_TB5,
                   split: Union[None, str, Sequence[int]] = None, context: int = 32768, reserve_gib: float = 8.0,
-                  prefill_chunk: int = 2048) -> Plan:
+                  prefill_chunk: int = 2048, kv_bits: Optional[int] = None, kv_group_size: int = 64) -> Plan:
     """Contiguous layer ranges per host (``pipeline_ranges``: by default proportional to usable memory, what
     ``load(parallel="pipeline")`` does with each Mac's working set), the embedding on rank 0, the final norm and
-    head on every rank (the final hidden state is shared, not the logits), K3's ``output_attn_res`` on the last."""
+    head on every rank (the final hidden state is shared, not the logits), K3's ``output_attn_res`` on the last.
+    ``kv_bits`` / ``kv_group_size``: the latent cache's layout (``cache_bytes``)."""
     _check_hosts(hosts, reserve_gib)
     cfg, n = acct.cfg, len(hosts)
     usable = [_usable(h, reserve_gib) for h in hosts]
     ranges = pipeline_ranges(acct.layer_bytes(), usable, split)
     head = _head_parts(cfg)
+    kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
     ranks = []
     for r, (host, layers) in enumerate(zip(hosts, ranges)):
         parts = head | ({"embed"} if r == 0 else set()) | ({"output_attn_res"} if r == n - 1 else set())
         ranks.append(RankPlan(r, host, layers, frozenset(parts), None, weight_bytes(acct, layers, parts),
-                              cache_bytes(acct, context, layers), usable[r]))
+                              cache_bytes(cfg, context, layers, act_bytes=acct.act_bytes, **kv), usable[r]))
     message = [(attn_res_blocks(cfg, rp.layers.stop) + 1) * cfg.hidden_size * acct.act_bytes for rp in ranks[:-1]]
     final = cfg.hidden_size * acct.act_bytes
     return Plan("pipeline", acct, context, reserve_gib, link, tuple(ranks),
-                _pipeline_decode(acct, ranks, link, context, head, message, final),
+                _pipeline_decode(acct, ranks, link, context, head, message, final, kv),
                 _pipeline_prefill(acct, ranks, link, context, head, message, final, prefill_chunk),
-                max(message + [0]) + 2 * (n - 1) / n * final)
+                max(message + [0]) + 2 * (n - 1) / n * final, kv_bits, kv_group_size)
 
 
 def _head_parts(cfg: KimiConfig) -> frozenset:
@@ -821,11 +838,11 @@ def _stage(host: Host, nbytes: float, flops: float) -> float:
     return t
 
 
-def _pipeline_decode(acct, ranks, link, context, head, message, final) -> Optional[Speed]:
+def _pipeline_decode(acct, ranks, link, context, head, message, final, kv) -> Optional[Speed]:
     if any(rp.host.bandwidth_gbs is None for rp in ranks):
         return None
     body = [rp.parts - head for rp in ranks]
-    compute = tuple(_stage(rp.host, decode_bytes(acct, context, rp.layers, b),
+    compute = tuple(_stage(rp.host, decode_bytes(acct, context, rp.layers, b, kv=kv),
                            token_flops(acct, context, rp.layers, b)) for rp, b in zip(ranks, body))
     head_t = max(_stage(rp.host, decode_bytes(acct, context, range(0), head),
                         token_flops(acct, context, range(0), head)) for rp in ranks)
@@ -857,7 +874,8 @@ def _prefill_head(acct: Accounting, ranks: Sequence[RankPlan], head: frozenset, 
 
 
 def plan_tensor(acct: Accounting, hosts: Sequence[Host], link: Link = JACCL_TB5, context: int = 32768,
-                reserve_gib: float = 8.0, prefill_chunk: int = 2048) -> Plan:
+                reserve_gib: float = 8.0, prefill_chunk: int = 2048, kv_bits: Optional[int] = None,
+                kv_group_size: int = 64) -> Plan:
     """Tensor + expert parallelism: every rank holds every layer's ``tensor_shares`` part (KDA and MLA heads, routed
     experts whole, MLP widths on multiples of the quantization group) and the replicated rest (embedding, head,
     norms, routers, MLA ``kv_a_proj`` + norm, q-LoRA ``q_a_proj``, KDA ``f_a`` / ``g_a`` and ``o_norm``, latent-MoE
@@ -866,16 +884,17 @@ def plan_tensor(acct: Accounting, hosts: Sequence[Host], link: Link = JACCL_TB5,
     cfg, n = acct.cfg, len(hosts)
     layers = range(cfg.num_hidden_layers)
     parts = frozenset({"embed", "norm", "head", "output_attn_res"})
+    kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
     ranks = tuple(
         RankPlan(r, host, layers, parts, share, weight_bytes(acct, layers, parts, share),
-                 cache_bytes(acct, context, layers, share), _usable(host, reserve_gib))
+                 cache_bytes(cfg, context, layers, share, act_bytes=acct.act_bytes, **kv), _usable(host, reserve_gib))
         for r, (host, share) in enumerate(zip(hosts, tensor_shares(cfg, n, acct.split_unit())))
     )
     hidden = cfg.hidden_size * acct.act_bytes
     all_sums = 2 * cfg.num_hidden_layers
     decode = prefill = None
     if all(h.bandwidth_gbs is not None for h in hosts):
-        compute = tuple(_stage(rp.host, decode_bytes(acct, context, layers, parts, rp.share),
+        compute = tuple(_stage(rp.host, decode_bytes(acct, context, layers, parts, rp.share, kv),
                                token_flops(acct, context, layers, parts, rp.share)) for rp in ranks)
         decode = Speed(1, compute, 0.0, link.all_sum(all_sums * hidden, n, all_sums), serial=False)
     if all(h.bandwidth_gbs is not None and h.tflops is not None for h in hosts):
@@ -887,4 +906,4 @@ def plan_tensor(acct: Accounting, hosts: Sequence[Host], link: Link = JACCL_TB5,
         prefill = Speed(context, compute, head, link.all_sum(all_sums * hidden * context, n, chunks * all_sums),
                         serial=False)
     per_rank = all_sums * 2 * (n - 1) / n * hidden
-    return Plan("tensor", acct, context, reserve_gib, link, ranks, decode, prefill, per_rank)
+    return Plan("tensor", acct, context, reserve_gib, link, ranks, decode, prefill, per_rank, kv_bits, kv_group_size)
