@@ -42,12 +42,16 @@ def test_model_call_names_id_row_position_and_vocab(loaded, bad, row, pos):
     model(mx.array([[0, VOCAB - 1]]))  # the edges are valid
 
 
-def test_decode_step_id_is_checked(loaded):
+def test_one_token_and_chunk_calls_are_checked(loaded):
+    """A one-token call without a cache and a prompt chunk that continues a cache are checked (one-token steps that
+    continue a cache are the generators' own samples: unchecked, so decoding has no host sync per step)."""
     model = loaded[0]
+    with pytest.raises(TokenIdError, match=f"token id {VOCAB + 7} at row 0, position 0 .*vocab_size {VOCAB}"):
+        model(mx.array([[VOCAB + 7]]))
     cache = model.make_cache()
     model(mx.array([[1, 2, 3]]), cache=cache)
-    with pytest.raises(TokenIdError, match=f"token id {VOCAB + 7} at row 0, position 0 .*vocab_size {VOCAB}"):
-        model(mx.array([[VOCAB + 7]]), cache=cache)
+    with pytest.raises(TokenIdError, match=f"token id {VOCAB + 7} at row 0, position 1 .*vocab_size {VOCAB}"):
+        model(mx.array([[4, VOCAB + 7]]), cache=cache)
 
 
 @pytest.mark.parametrize("call", ["generate", "stream_generate"])

@@ -2,7 +2,8 @@
 
 Follows mlx-lm's model protocol: ``model(inputs [B, T] int, cache) -> logits [B, T, vocab]``, ``model.layers``,
 ``make_cache()``, ``sanitize(weights)``; parameter paths match mlx-lm's ``kimi_linear`` (LoRA adapters carry over).
-An id outside ``[0, vocab_size)`` raises ``TokenIdError`` (``validation.check_token_ids``) before any layer runs.
+An id outside ``[0, vocab_size)`` raises ``TokenIdError`` (``validation.check_token_ids``) before any layer runs,
+except in one-token steps that continue a cache (decode: the generators check prompts and feed their own samples).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None) -> mx.array:
-        if input_embeddings is None:
+        if input_embeddings is None and (cache is None or inputs.shape[-1] > 1):
+            # a one-token step that continues a cache is a generator's own sample: no host sync per decode step
             check_token_ids(inputs, self.args.vocab_size)
         h = self.model(inputs, cache, input_embeddings)
         if "lm_head" in self:
