@@ -3,9 +3,10 @@
 Per head, q/k have ``qk_nope + qk_rope`` dims (the "rope" part is never rotated: NoPE), v has ``v_head_dim``; the
 softmax scale is ``(qk_nope + qk_rope) ** -0.5``. Only the normalised latent ``c_kv`` and the shared ``k_pe`` are
 cached. ``kv_b_proj`` is stored split (as mlx-lm does) into ``embed_q.weight: [H, r, qk_nope]`` (= W_kb^T) and
-``unembed_out.weight: [H, v_head_dim, r]`` (= W_vb), so decode runs absorbed in latent space and prefill expands
-k/v per head. Kimi-K3 adds q-LoRA (``q_a_proj`` -> ``q_a_layernorm`` (eps ``mla_q_norm_eps``, 1e-6) -> ``q_b_proj``) and a sigmoid output
-gate ``g_proj`` applied to the block input x, multiplied into the concatenated heads before ``o_proj``.
+``unembed_out.weight: [H, v_head_dim, r]`` (= W_vb); attention over the cache (``ops.mla_attention``) runs absorbed
+in latent space for decode and per-head expanded for prefill, in key blocks with an online softmax past one block.
+Kimi-K3 adds q-LoRA (``q_a_proj`` -> ``q_a_layernorm`` (eps ``mla_q_norm_eps``, 1e-6) -> ``q_b_proj``) and a sigmoid
+output gate ``g_proj`` applied to the block input x, multiplied into the concatenated heads before ``o_proj``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from mlx_lm.models.mla import MultiLinear
 
 from ..cache import MLALatentCache
 from ..config import KimiConfig
+from ..ops.mla_attention import KEY_BLOCK, mla_attention
 from .norm import RMSNorm
 
 
@@ -28,6 +30,7 @@ class KimiMLA(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.rank = cfg.kv_lora_rank
         self.scale = (self.nope + self.rope) ** -0.5
+        self.key_block = KEY_BLOCK  # keys per attention block (ops/mla_attention.py); tests set it smaller
         hidden = cfg.hidden_size
         q_dim = H * (self.nope + self.rope)
         if cfg.q_lora_rank:
@@ -62,22 +65,9 @@ class KimiMLA(nn.Module):
         if cache is not None:
             kv_latent, k_pe = cache.update_and_fetch(kv_latent, k_pe)
 
-        if T == 1:
-            # Absorbed decode in latent space with one shared "head" of keys/values; the un-rotated k_pe part of
-            # the score [B, H, 1, S] enters SDPA as an additive mask.
-            pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
-            if isinstance(mask, mx.array):
-                pe_scores = mx.where(mask, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
-            out = mx.fast.scaled_dot_product_attention(
-                self.embed_q(q_nope), kv_latent, kv_latent, scale=self.scale, mask=pe_scores
-            )
-            out = self.unembed_out(out)
-        else:
-            # Expanded prefill: per-head keys [k_nope | k_pe (shared by all heads)] against [q_nope | q_pe].
-            k_nope = self.embed_q(kv_latent, transpose=False)
-            k = mx.concatenate([k_nope, mx.broadcast_to(k_pe, (*k_nope.shape[:-1], self.rope))], axis=-1)
-            v = self.unembed_out(kv_latent)
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = mla_attention(
+            q_nope, q_pe, kv_latent, k_pe, self.embed_q, self.unembed_out, self.scale, mask, key_block=self.key_block
+        )
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
         if "g_proj" in self:
             out = out * mx.sigmoid(self.g_proj(x))
