@@ -14,7 +14,10 @@ every timed path):
 KDA chunked prefill (T > RECURRENT_MAX_T) on prepared inputs: ``kda_chunked_metal`` vs ``kda_chunked`` vs mlx-lm's
 ``gated_delta_kernel``.
 AttnRes (K snapshots of [T, d], default K=8, d=4096): ``attn_res_mix`` with the kernel, without (pure MLX), and
-mlx-lm's ``kimi_k3._attn_res_mix`` (its own kernel). Times are medians over ``--reps`` runs after warm-up, in ms;
+mlx-lm's ``kimi_k3._attn_res_mix`` (its own kernel).
+MLA attention (B=1, ``--mla-heads`` heads, r=512, dr=64, dn=dv=128: a T-query causal chunk, T=1 a decode step,
+against a latent cache of ``--mla-context`` keys; T <= 512): ``mla_attention_metal`` (``mla_decode`` / ``mla_prefill``), the
+pure blockwise absorbed and expanded paths (``mla_attention`` with 2048-key blocks). Times are medians over ``--reps`` runs after warm-up, in ms;
 under each row, every path's max |output - pure MLX| (the paths compute the same op).
 Without Metal (and without ``--emulator``) it says so and exits 0.
 """
@@ -33,6 +36,8 @@ from kimi_mlx import metal
 from kimi_mlx.ops.attn_res import attn_res_mix, inv_rms
 from kimi_mlx.ops.kda import RECURRENT_MAX_T, kda_chunked, kda_gated, kda_recurrent_metal
 from kimi_mlx.ops.kda_chunked_metal import kda_chunked_metal
+from kimi_mlx.ops.mla_attention import mla_attention
+from kimi_mlx.ops.mla_attention_metal import mla_attention_metal
 
 
 def timeit(fn, reps: int) -> float:
@@ -144,12 +149,45 @@ def bench_attn_res(T, args, dtype):
     return {"kimi-mlx kernel": ours, "pure MLX": pure, "mlx-lm": mlx_lm}
 
 
+def bench_mla(T, args, dtype):
+    from mlx_lm.models.mla import MultiLinear
+
+    mx.random.seed(0)
+    H, S, r, dr, dn, dv = (
+        args.mla_heads,
+        args.mla_context + T,
+        args.mla_rank,
+        args.mla_rope,
+        args.mla_nope,
+        args.mla_nope,
+    )
+    q_nope, q_pe = mx.random.normal((1, H, T, dn)).astype(dtype), mx.random.normal((1, H, T, dr)).astype(dtype)
+    c, kr = mx.random.normal((1, 1, S, r)).astype(dtype), mx.random.normal((1, 1, S, dr)).astype(dtype)
+    embed_q, unembed_out = MultiLinear(dn, r, H), MultiLinear(r, dv, H)
+    embed_q.set_dtype(dtype)
+    unembed_out.set_dtype(dtype)
+    mask = None if T == 1 else "causal"
+    args_ = (q_nope, q_pe, c, kr, embed_q, unembed_out, (dn + dr) ** -0.5, mask)
+    mx.eval(q_nope, q_pe, c, kr, embed_q.parameters(), unembed_out.parameters())
+
+    def ours():
+        return (mla_attention_metal(*args_),)
+
+    def pure(absorbed):
+        with metal.disabled():
+            return (mla_attention(*args_, absorbed=absorbed),)
+
+    return {"kimi-mlx kernel": ours, "pure MLX": lambda: pure(None), "pure absorbed": lambda: pure(True),
+            "pure expanded": lambda: pure(False)}  # fmt: skip
+
+
 def run(args) -> None:
     dtype = getattr(mx, args.dtype)
     sections = (
         ("KDA", bench_kda, args.T),
         ("KDA chunked prefill, prepared inputs", bench_kda_chunked, [T for T in args.T if T > RECURRENT_MAX_T]),
         ("AttnRes mix", bench_attn_res, args.T),
+        (f"MLA attention against {args.mla_context} cached keys", bench_mla, [T for T in args.T if T <= 512]),
     )
     for title, make, Ts in sections:
         print(f"\n== {title} ({args.dtype}; ms, median of {args.reps})")
@@ -173,6 +211,11 @@ def main(argv=None) -> int:
     ap.add_argument("--D", type=int, default=128, help="KDA head dim (Dk = Dv)")
     ap.add_argument("--K", type=int, default=8, help="AttnRes snapshots")
     ap.add_argument("--d", type=int, default=4096, help="AttnRes hidden size")
+    ap.add_argument("--mla-heads", type=int, default=32, help="MLA heads")
+    ap.add_argument("--mla-context", type=int, default=32768, help="MLA cached keys before the chunk")
+    ap.add_argument("--mla-rank", type=int, default=512, help="MLA kv_lora_rank (latent dims)")
+    ap.add_argument("--mla-rope", type=int, default=64, help="MLA qk_rope_head_dim")
+    ap.add_argument("--mla-nope", type=int, default=128, help="MLA qk_nope_head_dim (= v_head_dim here)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--emulator", help="path to metal_emu: run every path once on tiny shapes (no real timings)")
@@ -185,6 +228,7 @@ def main(argv=None) -> int:
 
         print("metal_emu: smoke run on tiny shapes, timings are of the CPU emulator and mean nothing")
         args.T, args.H, args.D, args.K, args.d, args.reps = [1, 70], 1, 32, 2, 64, 1
+        args.mla_heads, args.mla_context, args.mla_rank, args.mla_rope, args.mla_nope = 2, 40, 64, 32, 32
         ctx = metal.emulated(metal_emu.metal_kernel)
     elif not (mx.metal.is_available() and mx.default_device() == mx.gpu):
         print("bench/kernels.py: no Metal GPU here (the kernels only run on Apple silicon); nothing to time.")

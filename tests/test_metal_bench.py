@@ -11,16 +11,41 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "kernels.py"
 
 
 def test_bench_runs_every_path(tmp_path):
-    tiny = ["--T", "1,70", "--H", "1", "--D", "32", "--K", "2", "--d", "64", "--reps", "1"]
+    tiny = [
+        "--T",
+        "1,70",
+        "--H",
+        "1",
+        "--D",
+        "32",
+        "--K",
+        "2",
+        "--d",
+        "64",
+        "--reps",
+        "1",
+        "--mla-heads",
+        "2",
+        "--mla-context",
+        "40",
+    ]
     args = tiny if backend_name() == "gpu" else ["--emulator", str(EMU_DIR)]
     r = subprocess.run([sys.executable, str(BENCH), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    for row in ("kimi-mlx kernels", "recurrent kernel", "pure MLX", "mlx-lm", "kimi-mlx kernel", "chunked kernels"):
+    for row in (
+        "kimi-mlx kernels",
+        "recurrent kernel",
+        "pure MLX",
+        "mlx-lm",
+        "kimi-mlx kernel",
+        "chunked kernels",
+        "pure expanded",
+    ):
         assert row in r.stdout, r.stdout
-    assert len([ln for ln in r.stdout.splitlines() if ln.strip().startswith("70 |")]) == 3, r.stdout
+    assert len([ln for ln in r.stdout.splitlines() if ln.strip().startswith("70 |")]) == 4, r.stdout
     # every timed row is followed by each path's max |output - pure MLX| (bf16 inputs): the paths compute the same op
     parity = [ln.split(":", 1)[1] for ln in r.stdout.splitlines() if "max |output - " in ln]
-    assert len(parity) == 5, r.stdout
+    assert len(parity) == 7, r.stdout
     for ln in parity:
         for item in ln.split(","):
             name, value = item.rsplit(" ", 1)

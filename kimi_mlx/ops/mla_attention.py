@@ -24,7 +24,9 @@ the tiny fixtures, 170 for Kimi-Linear-48B). Measured (time / fused path, tiny f
 (per-block overhead; expanded 59x), T=16 absorbed 0.27x (expanded 1.2x), T=128 1.08x vs 1.04x, T=512 1.89x vs 1.13x,
 T=2048 1.41x vs 0.76x; 48B dims (4 heads) T=1 1.09x (expanded 115x), T=16 0.22x vs 1.40x. So blockwise attention runs
 absorbed up to ``ABSORBED_MAX_QUERIES`` = 128 queries (decode, short chunks) and expanded per block beyond (prefill).
-Pure MLX (differentiable); no Metal here.
+On Metal (``kimi_mlx.metal.enabled()``) the absorbed form runs as one kernel launch over all S keys
+(``ops/mla_attention_metal.py``: ``mla_decode`` for one query, ``mla_prefill`` for a chunk), with this pure path's
+gradients; elsewhere, and for the expanded form, this pure path (differentiable).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from collections.abc import Callable
 from typing import Optional, Union
 
 import mlx.core as mx
+
+from .. import metal
+from . import mla_attention_metal
 
 KEY_BLOCK = 512  # keys per block: ~9 x H x T x KEY_BLOCK floats in flight; S <= KEY_BLOCK takes the fused SDPA
 ABSORBED_MAX_QUERIES = 128  # blockwise: latent-space (absorbed) attention up to this many queries, expanded beyond
@@ -82,10 +87,14 @@ def mla_attention(
     ``absorbed`` forces the blockwise form (default: absorbed for T <= ``ABSORBED_MAX_QUERIES``)."""
     B, H, T, _ = q_nope.shape
     S = kv_latent.shape[2]
-    if S <= key_block:
-        return _fused(q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, mask)
     if absorbed is None:
         absorbed = T <= ABSORBED_MAX_QUERIES
+    if absorbed and metal.enabled():
+        # Metal: the absorbed form as one kernel launch (ops/mla_attention_metal.py), whatever S; the pure path's
+        # gradients.
+        return mla_attention_metal.mla_attention_metal(q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, mask)
+    if S <= key_block:
+        return _fused(q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, mask)
     if absorbed:
         # One shared latent "head": fold heads into the query axis so each block is one matmul for all heads.
         q_lat = (embed_q(q_nope) * scale).reshape(B, 1, H * T, -1)

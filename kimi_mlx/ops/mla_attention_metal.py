@@ -1,0 +1,128 @@
+"""Absorbed MLA attention over the latent cache as Metal kernels (``metal_kernels/mla_decode.metal``,
+``metal_kernels/mla_prefill.metal``), the same op as the absorbed form of ``kimi_mlx.ops.mla_attention``.
+
+Shapes as in ``ops/mla_attention.py``: q_nope ``[B, H, T, dn]``, q_pe ``[B, H, T, dr]``, kv_latent (c_kv)
+``[B, 1, S, r]``, k_pe ``[B, 1, S, dr]``; mask None, ``"causal"`` (the queries are the last T of the S positions) or
+bool broadcastable to ``[B, 1, T, S]`` (True = may attend; every query must see at least one key).
+
+The host computes ``q_lat = embed_q(q_nope) * scale`` and ``q_rot = q_pe * scale`` (as the pure absorbed path does),
+a kernel computes the latent output ``softmax(q_lat c_kv^T + q_rot k_pe^T) c_kv`` with an online softmax over blocks
+of 32 keys (float32 running max / sum / output, never a [T, S] score matrix), and ``unembed_out`` maps it to
+``[B, H, T, dv]``. ``mla_decode`` (T = 1) splits the keys of one (sequence, head) row across the SIMD-groups of a
+threadgroup and merges their states in threadgroup memory; ``mla_prefill`` gives each query row one SIMD-group that
+scans its visible keys (a causal row stops at its last one).
+
+Custom kernels have no VJP: ``mla_attention_metal`` wraps the launch in ``kimi_mlx.metal.with_reference_vjp`` around
+the latent part only (q_lat, q_rot, c_kv, k_pe), whose backward is the pure path's; embed_q / unembed_out stay
+ordinary MLX ops, so their weights get their gradients as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+import mlx.core as mx
+
+from .. import metal
+from . import mla_attention as _pure
+
+__all__ = ["DECODE_KERNEL", "PREFILL_KERNEL", "mla_attention_metal", "mla_latent_attention_metal"]
+
+DECODE_KERNEL = "mla_decode"  # one query per (sequence, head), keys split across SIMD-groups
+PREFILL_KERNEL = "mla_prefill"  # T queries, one SIMD-group per query row
+metal.register(DECODE_KERNEL)
+metal.register(PREFILL_KERNEL)
+
+_IO_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def _identity(x: mx.array, transpose: bool = True) -> mx.array:
+    return x
+
+
+def _latent_pure(q_lat, q_rot, kv_latent, k_pe, mask):
+    """The pure path of the latent part: ``mla_attention`` on prescaled latent queries, identity embed/unembed
+    (kernels off: ``mla_attention`` dispatches here when they are on)."""
+    with metal.disabled():
+        return _pure.mla_attention(q_lat, q_rot, kv_latent, k_pe, _identity, _identity, 1.0, mask, absorbed=True)
+
+
+def mla_latent_attention_metal(
+    q_lat: mx.array,
+    q_rot: mx.array,
+    kv_latent: mx.array,
+    k_pe: mx.array,
+    mask: _pure.Mask = None,
+    *,
+    decode: Optional[bool] = None,
+    simdgroups: int = 8,
+) -> mx.array:
+    """One kernel launch: latent attention output ``[B, H, T, r]`` in q_lat's dtype for scaled queries q_lat
+    ``[B, H, T, r]`` and q_rot ``[B, H, T, dr]``. ``decode`` picks ``mla_decode`` (needs T = 1; default when T = 1)
+    or ``mla_prefill``; ``simdgroups`` per threadgroup (1..32). Kernels must be enabled (``kimi_mlx.metal``)."""
+    B, H, T, r = q_lat.shape
+    S, dr = kv_latent.shape[2], k_pe.shape[-1]
+    if q_rot.shape != (B, H, T, dr) or kv_latent.shape != (B, 1, S, r) or k_pe.shape != (B, 1, S, dr):
+        raise ValueError(
+            f"mla_latent_attention_metal: shapes q_lat {q_lat.shape}, q_rot {q_rot.shape}, kv_latent "
+            f"{kv_latent.shape}, k_pe {k_pe.shape} do not fit [B, H, T, r], [B, H, T, dr], [B, 1, S, r], [B, 1, S, dr]"
+        )
+    for name, x in (("q_lat", q_lat), ("q_rot", q_rot), ("kv_latent", kv_latent), ("k_pe", k_pe)):
+        if x.dtype not in _IO_DTYPES:
+            raise ValueError(f"mla_latent_attention_metal: {name} dtype {x.dtype} not supported (float32/16, bfloat16)")
+    if not 1 <= simdgroups <= 32:
+        raise ValueError(f"mla_latent_attention_metal: simdgroups must be in [1, 32], got {simdgroups}")
+    decode = T == 1 if decode is None else decode
+    if decode and T != 1:
+        raise ValueError(f"mla_latent_attention_metal: the decode kernel takes one query per row, got T={T}")
+    name = DECODE_KERNEL if decode else PREFILL_KERNEL
+    kernel = metal.kernel(name)
+    if kernel is None:
+        raise RuntimeError("mla_latent_attention_metal: Metal kernels are not enabled (see kimi_mlx.metal.enabled)")
+    causal = isinstance(mask, str)
+    if causal and mask != "causal":
+        raise ValueError(f"mla_latent_attention_metal: mask must be None, 'causal' or a bool array, got {mask!r}")
+    has_mask = isinstance(mask, mx.array)
+    m = mx.broadcast_to(mask, (B, 1, T, S)).reshape(B, T, S) if has_mask else mx.zeros((1,), mx.bool_)
+    kdt = kv_latent.dtype
+    inputs = [q_lat, q_rot.astype(q_lat.dtype), kv_latent.reshape(B, S, r), k_pe.astype(kdt).reshape(B, S, dr), m]
+    template = [("QT", q_lat.dtype), ("KT", kdt), ("DL", r), ("DR", dr), ("NSG", simdgroups)]
+    if decode:
+        template.append(("HAS_MASK", has_mask))
+        grid = (32 * simdgroups, H, B)
+    else:
+        template += [("CAUSAL", causal), ("HAS_MASK", has_mask)]
+        grid = (32 * simdgroups, -(-(T * H) // simdgroups), B)
+    (out,) = kernel(
+        inputs=inputs,
+        template=template,
+        grid=grid,
+        threadgroup=(32 * simdgroups, 1, 1),
+        output_shapes=[(B, H, T, r)],
+        output_dtypes=[q_lat.dtype],
+    )
+    return out
+
+
+def mla_attention_metal(
+    q_nope: mx.array,
+    q_pe: mx.array,
+    kv_latent: mx.array,
+    k_pe: mx.array,
+    embed_q: Callable,
+    unembed_out: Callable,
+    scale: float,
+    mask: _pure.Mask = None,
+    *,
+    simdgroups: int = 8,
+) -> mx.array:
+    """``mla_attention`` (same arguments and result ``[B, H, T, dv]``) through the kernels: ``mla_decode`` for one
+    query, ``mla_prefill`` otherwise; gradients are the pure path's."""
+    q_lat = embed_q(q_nope) * scale
+    q_rot = (q_pe * scale).astype(q_lat.dtype)
+    op = metal.with_reference_vjp(
+        lambda *a: [mla_latent_attention_metal(*a, mask, simdgroups=simdgroups)],
+        lambda *a: [_latent_pure(*a, mask)],
+    )
+    return unembed_out(op(q_lat, q_rot, kv_latent, k_pe)[0])
