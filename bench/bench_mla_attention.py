@@ -7,14 +7,20 @@ For T queries (decode T=1 up to a 2048-token prefill chunk) against S cached key
 - expanded:  blockwise, each key block expanded per head
 and each blockwise median as a ratio of the fused one (<1 = faster). float32, the default device.
 
-    python bench/bench_mla_attention.py [--seq 8192] [--key-block 2048] [--reps 5]
+    python bench/bench_mla_attention.py [--seq 8192] [--key-block 512] [--reps 5]
+    python bench/bench_mla_attention.py --memory   # tiny Kimi Linear, float32, 2048-token chunks: 8K vs 64K
+    python bench/bench_mla_attention.py --long     # decode after a 16K-token prefill (64-key blocks) vs full forward
+
+--memory and --long use the helpers of tests/test_mla_blockwise.py (which checks scaled-down versions of both).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.mla import MultiLinear
@@ -37,13 +43,38 @@ def median_s(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def long_context(memory: bool) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import test_mla_blockwise as t
+    from conftest import KL_FIXTURE
+
+    from kimi_mlx.loading import load_model
+
+    model, _ = load_model(KL_FIXTURE / "hf", dtype=mx.float32)
+    if memory:
+        for key_block in (t.mla_ops.KEY_BLOCK, t.FUSED):
+            t.set_key_block(model, key_block)
+            mib = [t.chunk_transient_memory(model, n, 2048) / 2**20 for n in (8192, 65536)]
+            print(f"key_block {key_block}: 2048-token chunk after 8K {mib[0]:.1f} MiB, after 64K {mib[1]:.1f} MiB "
+                  f"(ratio {mib[1] / mib[0]:.2f})")
+    else:
+        t0 = time.perf_counter()
+        err = t.decode_vs_full(model, 16381, 2048, 64)
+        print(f"16K prefill (2048-token chunks, 64-key blocks) + 3 decode steps vs full forward: "
+              f"max |diff| / max |logit| {err:.2e}, {time.perf_counter() - t0:.1f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--key-block", type=int, default=512)
     ap.add_argument("--queries", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 2048])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--memory", action="store_true", help="prefill chunk memory at 8K vs 64K tokens")
+    ap.add_argument("--long", action="store_true", help="decode after a 16K-token prefill vs a full forward")
     args = ap.parse_args()
+    if args.memory or args.long:
+        return long_context(args.memory)
     S, kb = args.seq, args.key_block
     mx.random.seed(0)
     print(f"device {mx.default_device()}, S={S} cached keys, key_block={kb}, float32, median of {args.reps}")

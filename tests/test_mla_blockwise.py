@@ -58,3 +58,68 @@ def test_layer_blockwise_equals_fused(request, arch_name, prefix, T, left_paddin
     err = mx.abs(out - ref).max().item()
     assert err <= 1e-5 * max(1.0, mx.abs(ref).max().item()), err
 
+
+
+@pytest.fixture
+def kl_blocks(kl_model):
+    """The Kimi Linear fixture; its MLA layers get the default key block back afterwards."""
+    yield kl_model
+    set_key_block(kl_model, mla_ops.KEY_BLOCK)
+
+
+def decode_vs_full(model, n: int, chunk: int, key_block: int, steps: int = 3) -> float:
+    """Max |logit difference| / max |logit| between a full forward (fused attention) over n + steps tokens and a
+    prefill of n tokens in ``chunk``-token chunks followed by ``steps`` decode steps, with ``key_block``."""
+    tokens = mx.random.randint(0, model.args.vocab_size, (1, n + steps), key=mx.random.key(n))
+    set_key_block(model, FUSED)
+    full = model(tokens)[:, n - 1 :]
+    mx.eval(full)
+    set_key_block(model, key_block)
+    cache = model.make_cache()
+    for s in range(0, n, chunk):
+        logits = model(tokens[:, s : min(s + chunk, n)], cache=cache)
+        mx.eval(logits)
+    out = [logits[:, -1:]]
+    for i in range(n, n + steps):
+        out.append(model(tokens[:, i : i + 1], cache=cache))
+        mx.eval(out[-1])
+    out = mx.concatenate(out, axis=1)[:, :-1]
+    return (mx.abs(out - full[:, :-1]).max() / mx.abs(full).max()).item()
+
+
+def test_decode_after_long_prefill_equals_full_forward(kl_blocks):
+    """4096 tokens with 64-key blocks (64 blocks); ``bench/bench_mla_attention.py --long`` runs 16K tokens."""
+    assert decode_vs_full(kl_blocks, 4093, 1024, 64) < 1e-5
+
+
+def chunk_transient_memory(model, context: int, chunk: int) -> int:
+    """Bytes a ``chunk``-token prefill chunk needs beyond weights, inputs and cache, after ``context`` tokens.
+
+    The first chunk is real; the MLA latent caches are then filled up to ``context`` with random latents (attention
+    cost and memory depend only on their length) so long contexts are cheap to reach, with room for the chunk (so
+    this measures attention, not the cache's growth by copying, which costs one cache size)."""
+    tokens = mx.random.randint(0, model.args.vocab_size, (1, 2 * chunk), key=mx.random.key(0))
+    cache = model.make_cache()
+    mx.eval(model(tokens[:, :chunk], cache=cache))
+    fill = context - chunk
+    for layer, c in zip(model.layers, cache):
+        if layer.is_linear:
+            c.advance(fill)
+        else:
+            shapes = (c.kv_latent.shape[-1], c.k_pe.shape[-1])
+            c.update_and_fetch(*(mx.random.normal((1, 1, fill + chunk, d)) for d in shapes))
+            c.trim(chunk)
+    mx.eval([c.state for c in cache])
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(model(tokens[:, chunk:], cache=cache))
+    return mx.get_peak_memory() - base
+
+
+def test_prefill_memory_independent_of_context(kl_blocks):
+    """float32: a 512-token chunk after 32K tokens needs <= 1.25x the memory of one after 4K (scaled down from 2048-token
+    chunks at 8K vs 64K, which bench/bench_mla_attention.py --memory measures: a minute on two cores)."""
+    set_key_block(kl_blocks, mla_ops.KEY_BLOCK)
+    short = chunk_transient_memory(kl_blocks, 4096, 512)
+    long = chunk_transient_memory(kl_blocks, 32768, 512)
+    assert long <= 1.25 * short, (short / 2**20, long / 2**20)
