@@ -22,6 +22,12 @@ cannot be trimmed, so ``cache.checkpoint()`` snapshots every KDA layer's conv + 
 Restoring drops the checkpoints taken after ``cp`` (the MLA positions they cover are overwritten by what comes next);
 only the last ``max_checkpoints`` are kept (older ones are released and cannot be restored).
 
+``make_cache(..., kv_bits=8 or 4, kv_group_size=32/64/128)`` gives MLA layers a ``QuantizedMLALatentCache``: each
+latent part (``kv_latent``, ``k_pe``) stored as ``mx.quantize`` lays it out (affine: uint32-packed codes, one scale
+and one bias per group in the model dtype), a part whose width the group does not divide stays float; what
+``parallel.plan.cache_bytes(..., kv_bits, kv_group_size)`` counts. ``MLALatentCache.to_quantized`` converts a float
+cache (mlx-lm's ``maybe_quantize_kv_cache`` calls it: ``quantized_kv_start``).
+
 For serving many sequences: ``cache.snapshot(row)`` copies one sequence's whole cache out (a ``CacheSnapshot``, to
 keep across requests), ``cache_from_snapshot(snap)`` makes a fresh cache from it, ``merge_caches(caches)`` stacks
 caches into one left-padded batch, and ``cache.filter(rows)`` keeps some rows of a batch.
@@ -62,45 +68,105 @@ class _LayerCache:
         return self.offset == 0
 
 
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def check_kv_quant(kv_bits: Optional[int], kv_group_size: int) -> None:
+    """Refuse a latent-cache quantization setting we do not support (``kv_bits`` None: float cache)."""
+    if kv_bits is not None and kv_bits not in KV_BITS:
+        raise ValueError(f"kv_bits must be one of {KV_BITS} (or None for a float cache), got {kv_bits}")
+    if kv_bits is not None and kv_group_size not in KV_GROUP_SIZES:
+        raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {kv_group_size}")
+
+
+def _map(part, fn):
+    """Apply ``fn`` to a latent part: one float array, or the (codes, scales, biases) triple of a quantized one."""
+    if part is None:
+        return None
+    return tuple(fn(a) for a in part) if isinstance(part, tuple) else fn(part)
+
+
+def _arrays(part) -> list[mx.array]:
+    return [] if part is None else list(part) if isinstance(part, tuple) else [part]
+
+
+def _width(part) -> int:
+    """Number of positions (axis 2) of a part."""
+    return (part[0] if isinstance(part, tuple) else part).shape[2]
+
+
 class MLALatentCache(_LayerCache):
     """Latent KV of one MLA layer; grows in steps of ``step`` positions."""
 
     step = 256
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
 
     def __init__(self, left_padding: Optional[mx.array] = None):
         super().__init__(left_padding)
-        self.kv_latent: Optional[mx.array] = None
-        self.k_pe: Optional[mx.array] = None
+        self.kv_latent = None  # [B, 1, capacity, r] (quantized: a (codes, scales, biases) triple)
+        self.k_pe = None  # [B, 1, capacity, dr] (likewise)
 
-    def update_and_fetch(self, kv_latent: mx.array, k_pe: mx.array) -> tuple[mx.array, mx.array]:
-        """Append ``[B, 1, T, r]`` / ``[B, 1, T, dr]`` and return the filled ``[B, 1, offset+T, ·]`` views."""
+    @property
+    def quant(self) -> Optional[tuple[int, int]]:
+        """(kv_bits, kv_group_size) of a quantized cache, None for a float one."""
+        return None if self.kv_bits is None else (self.kv_bits, self.kv_group_size)
+
+    def empty_like(self) -> "MLALatentCache":
+        """An empty cache of the same kind (and quantization) with this cache's left padding."""
+        return MLALatentCache(self.left_padding)
+
+    def _encode(self, x: mx.array):
+        """A new ``[B, 1, T, w]`` part as stored (float here)."""
+        return x
+
+    def update_and_fetch(self, kv_latent: mx.array, k_pe: mx.array):
+        """Append ``[B, 1, T, r]`` / ``[B, 1, T, dr]`` and return the filled ``[B, 1, offset+T, ·]`` views (for a
+        quantized cache: each part as stored, a triple or a float array)."""
         prev, n = self.offset, kv_latent.shape[2]
-        if self.kv_latent is None or prev + n > self.kv_latent.shape[2]:
+        new = [self._encode(kv_latent), self._encode(k_pe)]
+        if self.kv_latent is None or prev + n > _width(self.kv_latent):
             grow = ((n + self.step - 1) // self.step) * self.step
 
-            def extend(old: Optional[mx.array], new: mx.array) -> mx.array:
-                zeros = mx.zeros((*new.shape[:2], grow, new.shape[3]), new.dtype)
+            def extend(old: Optional[mx.array], a: mx.array) -> mx.array:
+                zeros = mx.zeros((*a.shape[:2], grow, a.shape[3]), a.dtype)
                 if old is None:
                     return zeros
                 return mx.concatenate([old[:, :, :prev], zeros], axis=2)
 
-            self.kv_latent = extend(self.kv_latent, kv_latent)
-            self.k_pe = extend(self.k_pe, k_pe)
+            def extend_part(old, part):
+                if isinstance(part, tuple):
+                    return tuple(extend(o, a) for o, a in zip(old or (None,) * 3, part))
+                return extend(old, part)
+
+            self.kv_latent, self.k_pe = (extend_part(o, p) for o, p in zip((self.kv_latent, self.k_pe), new))
         self.offset += n
-        self.kv_latent[:, :, prev : self.offset] = kv_latent
-        self.k_pe[:, :, prev : self.offset] = k_pe
-        return self.kv_latent[:, :, : self.offset], self.k_pe[:, :, : self.offset]
+        for old, part in zip((self.kv_latent, self.k_pe), new):
+            for o, a in zip(_arrays(old), _arrays(part)):
+                o[:, :, prev : self.offset] = a
+        return self.fetch()
+
+    def fetch(self):
+        """The filled ``[B, 1, offset, ·]`` parts."""
+        return tuple(_map(p, lambda a: a[:, :, : self.offset]) for p in (self.kv_latent, self.k_pe))
 
     @property
     def state(self) -> list[mx.array]:
+        """Every filled array (a quantized part contributes codes, scales, biases)."""
         if self.kv_latent is None:
             return []
-        return [self.kv_latent[:, :, : self.offset], self.k_pe[:, :, : self.offset]]
+        return [a for p in self.fetch() for a in _arrays(p)]
 
     @state.setter
     def state(self, arrays: list[mx.array]) -> None:
-        self.kv_latent, self.k_pe = arrays
-        self.offset = self.kv_latent.shape[2]
+        parts, i = [], 0
+        for _ in range(2):
+            quantized = arrays[i].dtype == mx.uint32
+            parts.append(tuple(arrays[i : i + 3]) if quantized else arrays[i])
+            i += 3 if quantized else 1
+        self.kv_latent, self.k_pe = parts
+        self.offset = _width(self.kv_latent)
 
     def is_trimmable(self) -> bool:
         return True
@@ -114,6 +180,43 @@ class MLALatentCache(_LayerCache):
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state)
 
+    def to_quantized(self, group_size: int = 64, bits: int = 8) -> "QuantizedMLALatentCache":
+        """This cache quantized (same offset and left padding); what mlx-lm's ``maybe_quantize_kv_cache`` calls."""
+        q = QuantizedMLALatentCache(self.left_padding, bits=bits, group_size=group_size)
+        if self.kv_latent is not None:
+            q.kv_latent, q.k_pe = (q._encode(p) for p in self.fetch())
+        q.offset = self.offset
+        return q
+
+
+class QuantizedMLALatentCache(MLALatentCache):
+    """``MLALatentCache`` holding each latent part as ``mx.quantize(part, group_size, bits)`` (affine), a part whose
+    width ``group_size`` does not divide in float; attention reads it through ``ops.mla_quantized``."""
+
+    def __init__(self, left_padding: Optional[mx.array] = None, *, bits: int = 8, group_size: int = 64):
+        check_kv_quant(bits, group_size)
+        super().__init__(left_padding)
+        self.kv_bits, self.kv_group_size = bits, group_size
+
+    def empty_like(self) -> "QuantizedMLALatentCache":
+        return QuantizedMLALatentCache(self.left_padding, bits=self.kv_bits, group_size=self.kv_group_size)
+
+    def _encode(self, x: mx.array):
+        if x.shape[-1] % self.kv_group_size:
+            return x
+        return tuple(mx.quantize(x, group_size=self.kv_group_size, bits=self.kv_bits))
+
+    @property
+    def to_quantized(self):
+        # no to_quantized here: mlx-lm's maybe_quantize_kv_cache converts the layers that have one
+        raise AttributeError("this latent cache is already quantized")
+
+
+def _new_mla(quant: Optional[tuple[int, int]], left_padding: Optional[mx.array]) -> MLALatentCache:
+    if quant is None:
+        return MLALatentCache(left_padding)
+    return QuantizedMLALatentCache(left_padding, bits=quant[0], group_size=quant[1])
+
 
 class KDACache(_LayerCache):
     """Short-conv state and recurrent state of one KDA layer (cannot be trimmed: it is a running summary)."""
@@ -122,6 +225,9 @@ class KDACache(_LayerCache):
         super().__init__(left_padding)
         self.conv_state: Optional[mx.array] = None
         self.recurrent_state: Optional[mx.array] = None
+
+    def empty_like(self) -> "KDACache":
+        return KDACache(self.left_padding)
 
     def advance(self, n: int) -> None:
         self.offset += n
@@ -175,16 +281,18 @@ class CacheSnapshot:
 
     kda_layers: per layer, whether it is a KDA layer. states: per layer, ``(conv_state [1, K-1, C],
     recurrent_state [1, H, Dv, Dk])`` for KDA layers, ``(kv_latent [1, 1, offset, r], k_pe [1, 1, offset, dr])``
-    for MLA layers; ``(None, None)`` while the layer is empty (offset 0).
+    for MLA layers (each a (codes, scales, biases) triple when quantized); ``(None, None)`` while the layer is empty
+    (offset 0). kv_quant: ``(kv_bits, kv_group_size)`` of the MLA layers, None for a float latent cache.
     """
 
     offset: int
     kda_layers: tuple
     states: tuple
+    kv_quant: Optional[tuple] = None
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for s in self.states for a in s if a is not None)
+        return sum(a.nbytes for s in self.states for p in s for a in _arrays(p))
 
 
 _cache_ids = itertools.count()
@@ -267,9 +375,9 @@ class HybridCache(list):
             elif c.kv_latent is None or offset == pad:
                 states.append((None, None))
             else:
-                states.append(tuple(_copy(a[row : row + 1, :, pad:offset]) for a in (c.kv_latent, c.k_pe)))
-        mx.eval([a for s in states for a in s if a is not None])
-        return CacheSnapshot(offset - pad, tuple(isinstance(c, KDACache) for c in self), tuple(states))
+                states.append(tuple(_map(p, lambda a: _copy(a[row : row + 1, :, pad:offset])) for p in (c.kv_latent, c.k_pe)))
+        mx.eval([a for s in states for p in s for a in _arrays(p)])
+        return CacheSnapshot(offset - pad, tuple(isinstance(c, KDACache) for c in self), tuple(states), _kv_quant(self))
 
     def filter(self, rows: list[int]) -> None:
         """Keep ``rows`` of the batch (in that order), in place; drop the left padding all kept rows share.
@@ -290,7 +398,7 @@ class HybridCache(list):
                 pair = (c.conv_state, c.recurrent_state)
                 c.conv_state, c.recurrent_state = (None if a is None else a[idx] for a in pair)
             elif c.kv_latent is not None:
-                c.kv_latent, c.k_pe = (a[idx, :, drop:offset] for a in (c.kv_latent, c.k_pe))
+                c.kv_latent, c.k_pe = (_map(p, lambda a: a[idx, :, drop:offset]) for p in (c.kv_latent, c.k_pe))
             c.offset = offset - drop
             c.left_padding = left_padding
         self.checkpoints = []
@@ -298,8 +406,13 @@ class HybridCache(list):
     def reset(self) -> None:
         """Empty every layer and drop all checkpoints."""
         for i, c in enumerate(self):
-            self[i] = type(c)(c.left_padding)
+            self[i] = c.empty_like()
         self.checkpoints = []
+
+    @property
+    def kv_quant(self) -> Optional[tuple[int, int]]:
+        """``(kv_bits, kv_group_size)`` of the MLA layers' latent cache, None when it is float."""
+        return _kv_quant(self)
 
     @property
     def nbytes(self) -> int:
@@ -308,17 +421,21 @@ class HybridCache(list):
 
 
 def make_cache(
-    kda_layers: list[bool], left_padding: Optional[list[int]] = None, max_checkpoints: int = 8
+    kda_layers: list[bool], left_padding: Optional[list[int]] = None, max_checkpoints: int = 8,
+    kv_bits: Optional[int] = None, kv_group_size: int = 64,
 ) -> HybridCache:
-    """One cache per layer: ``KDACache`` where ``kda_layers[i]`` is true, else ``MLALatentCache``.
+    """One cache per layer: ``KDACache`` where ``kda_layers[i]`` is true, else ``MLALatentCache``
+    (``QuantizedMLALatentCache`` with ``kv_bits`` 8 or 4 and ``kv_group_size`` 32, 64 or 128).
 
     ``left_padding``: per-sequence number of pad tokens at the start of a ragged, left-padded batch.
     ``max_checkpoints``: see ``HybridCache``.
     """
+    check_kv_quant(kv_bits, kv_group_size)
+    quant = None if kv_bits is None else (kv_bits, kv_group_size)
     pad = None
     if left_padding is not None and any(p > 0 for p in left_padding):
         pad = mx.array(left_padding, dtype=mx.int32)
-    layers = [KDACache(pad) if is_kda else MLALatentCache(pad) for is_kda in kda_layers]
+    layers = [KDACache(pad) if is_kda else _new_mla(quant, pad) for is_kda in kda_layers]
     return HybridCache(layers, max_checkpoints)
 
 
@@ -326,12 +443,12 @@ def cache_from_snapshot(snap: CacheSnapshot, max_checkpoints: int = 8) -> Hybrid
     """A fresh one-sequence cache holding exactly ``snap`` (the layout of ``model.make_cache()``)."""
     layers = []
     for is_kda, (a, b) in zip(snap.kda_layers, snap.states):
-        c = KDACache() if is_kda else MLALatentCache()
+        c = KDACache() if is_kda else _new_mla(snap.kv_quant, None)
         if is_kda:
             c.conv_state, c.recurrent_state = a, b
         elif a is not None:
             # new array objects: MLX's slice assignment (update_and_fetch after a trim) rewrites its target in place
-            c.kv_latent, c.k_pe = mx.array(a), mx.array(b)
+            c.kv_latent, c.k_pe = _map(a, mx.array), _map(b, mx.array)
         c.offset = snap.offset
         layers.append(c)
     return HybridCache(layers, max_checkpoints)
@@ -349,6 +466,10 @@ def merge_caches(caches: list[HybridCache]) -> HybridCache:
     kinds = [tuple(isinstance(c, KDACache) for c in cache) for cache in caches]
     if len(set(kinds)) > 1:
         raise ValueError("cannot merge caches of different layer layouts")
+    quants = {_kv_quant(cache) for cache in caches}
+    if len(quants) > 1:
+        raise ValueError(f"cannot merge caches of different latent-cache quantizations ({_quant_names(quants)})")
+    quant = quants.pop()
     offsets = [_common_offset(cache, "merge") for cache in caches]
     offset = max(offsets)
     sizes = [_rows(cache) for cache in caches]
@@ -360,18 +481,25 @@ def merge_caches(caches: list[HybridCache]) -> HybridCache:
     layers = []
     for i, is_kda in enumerate(kinds[0]):
         parts = [cache[i] for cache in caches]
-        c = KDACache(left_padding) if is_kda else MLALatentCache(left_padding)
+        c = KDACache(left_padding) if is_kda else _new_mla(quant, left_padding)
         if is_kda:
             c.conv_state = _stack([p.conv_state for p in parts], sizes)
             c.recurrent_state = _stack([p.recurrent_state for p in parts], sizes)
         elif offset > 0:
-            c.kv_latent, c.k_pe = (
-                _stack([_pad_front(p.state[j] if p.state else None, offset - o) for p, o in zip(parts, offsets)], sizes)
-                for j in range(2)
-            )
+            filled = [p.fetch() if p.kv_latent is not None else (None, None) for p in parts]
+            c.kv_latent, c.k_pe = (_stack_parts([_pad_front_part(f[j], offset - o) for f, o in zip(filled, offsets)],
+                                                sizes) for j in range(2))
         c.offset = offset
         layers.append(c)
     return HybridCache(layers, caches[0].max_checkpoints)
+
+
+def _kv_quant(cache: HybridCache) -> Optional[tuple[int, int]]:
+    return next((c.quant for c in cache if isinstance(c, MLALatentCache)), None)
+
+
+def _quant_names(quants) -> str:
+    return ", ".join(sorted("float" if q is None else f"{q[0]}-bit group {q[1]}" for q in quants))
 
 
 def _common_offset(cache: HybridCache, what: str) -> int:
@@ -405,6 +533,18 @@ def _pad_front(a: Optional[mx.array], n: int) -> Optional[mx.array]:
     if a is None or n == 0:
         return a
     return mx.concatenate([mx.zeros((*a.shape[:2], n, a.shape[3]), a.dtype), a], axis=2)
+
+
+def _pad_front_part(part, n: int):
+    return _map(part, lambda a: _pad_front(a, n))
+
+
+def _stack_parts(parts: list, sizes: list[int]):
+    """``_stack`` of latent parts (float arrays or quantized triples, None for an empty cache)."""
+    like = next((p for p in parts if p is not None), None)
+    if not isinstance(like, tuple):
+        return _stack(parts, sizes)
+    return tuple(_stack([None if p is None else p[k] for p in parts], sizes) for k in range(3))
 
 
 def _stack(arrays: list[Optional[mx.array]], sizes: list[int]) -> Optional[mx.array]:

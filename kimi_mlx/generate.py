@@ -15,10 +15,11 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import GenerationResponse, generate_step
+from mlx_lm.generate import GenerationResponse, generate_step, maybe_quantize_kv_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .cache import check_kv_quant
 from .validation import check_context, check_token_ids
 
 
@@ -64,6 +65,17 @@ def check_prompt(model: nn.Module, prompt: mx.array, cached: int = 0, what: str 
     check_context(prompt.size, model.args.model_max_length, cached)
 
 
+def check_kv_settings(cache, kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int) -> None:
+    """Refuse an unsupported latent-cache quantization, or one that differs from an already quantized ``cache``."""
+    check_kv_quant(kv_bits, kv_group_size)
+    if quantized_kv_start < 0:
+        raise ValueError(f"quantized_kv_start must be >= 0, got {quantized_kv_start}")
+    have = getattr(cache, "kv_quant", None)
+    if kv_bits is not None and have is not None and have != (kv_bits, kv_group_size):
+        raise ValueError(f"the prompt cache is quantized with {have[0]} bits, group {have[1]}; asked for {kv_bits} "
+                         f"bits, group {kv_group_size}")
+
+
 def stream_generate(
     model: nn.Module,
     tokenizer: TokenizerWrapper,
@@ -84,6 +96,9 @@ def stream_generate(
     stop_strings: Sequence[str] = (),
     prompt_cache=None,
     prefill_step_size: int = 2048,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
 ) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per generated token (text may be ``""`` while bytes are incomplete).
 
@@ -96,6 +111,9 @@ def stream_generate(
     ``prompt_cache``) and of the reply.
     Stops on the tokenizer's eos ids, ``stop_tokens``, any of ``stop_strings`` (excluded from the text), or
     ``max_tokens``; the last response has ``finish_reason`` "stop" or "length".
+    Latent cache: ``kv_bits`` (8 or 4, None: float) with ``kv_group_size`` (32, 64, 128) quantizes the MLA layers'
+    cache once it holds ``quantized_kv_start`` tokens (checked after each prefill chunk and step, as mlx-lm does;
+    0: from the first chunk on). Requires ``prompt_cache`` (mlx-lm makes a fresh float cache otherwise).
     """
     if isinstance(prompt, str):
         prompt = tokenizer.encode(prompt)
@@ -103,6 +121,7 @@ def stream_generate(
     if prompt.size == 0:
         raise ValueError("prompt is empty: give at least one token")
     check_prompt(model, prompt, cached=next(iter(prompt_cache)).offset if prompt_cache else 0)
+    check_kv_settings(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
     sampler, processors = make_sampling(
         temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
@@ -116,7 +135,8 @@ def stream_generate(
     prompt_tps = 0.0
     steps = generate_step(
         prompt, model, max_tokens=max_tokens, sampler=sampler, logits_processors=processors,
-        prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
+        prompt_cache=prompt_cache, prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
     )
 
     def response(token, logprobs, n, segment, reason):
@@ -181,14 +201,19 @@ def batch_generate(
     sampler=None,
     pad_id: int = 0,
     prefill_step_size: int = 2048,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
 ) -> tuple[list[list[int]], list[mx.array]]:
     """Generate for several prompts at once (greedy unless ``sampler``), left-padding to the longest prompt.
 
     The prompts are prefilled in chunks of ``prefill_step_size`` tokens (bounded activation memory).
+    ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start``: the latent cache's quantization (see ``stream_generate``).
     Returns (generated ids per prompt, per-step logprobs ``[B, vocab]``); no early stop, each row gets max_tokens.
     """
     for i, p in enumerate(prompts):
         check_prompt(model, mx.array(p, dtype=mx.int32), what=f"prompt {i}: token id")
+    check_kv_settings(None, kv_bits, kv_group_size, quantized_kv_start)
     longest = max(len(p) for p in prompts)
     padding = [longest - len(p) for p in prompts]
     tokens = mx.array([[pad_id] * pad + list(p) for pad, p in zip(padding, prompts)])
@@ -198,8 +223,10 @@ def batch_generate(
     for start in range(0, longest - 1, prefill_step_size):
         chunk = tokens[:, start : min(start + prefill_step_size, longest - 1)]
         model(chunk, cache=cache)
+        maybe_quantize_kv_cache(cache, quantized_kv_start, kv_group_size, kv_bits)
         mx.eval([c.state for c in cache])
     logits = model(tokens[:, longest - 1 :], cache=cache)[:, -1]
+    maybe_quantize_kv_cache(cache, quantized_kv_start, kv_group_size, kv_bits)
     for step in range(max_tokens):
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         nxt = sampler(logprobs)
@@ -209,4 +236,5 @@ def batch_generate(
             row.append(t)
         if step + 1 < max_tokens:
             logits = model(nxt[:, None], cache=cache)[:, -1]
+            maybe_quantize_kv_cache(cache, quantized_kv_start, kv_group_size, kv_bits)
     return out, steps

@@ -7,14 +7,18 @@ Layout (format ``kimi-mlx-prompt-cache``, version 1)::
     layers.{i}.recurrent_state  [1, H, Dv, Dk] float32
     layers.{i}.kv_latent        [1, 1, N, kv_lora_rank]   MLA layer i
     layers.{i}.k_pe             [1, 1, N, qk_rope_head_dim]
+      quantized latent cache (metadata kv_bits / kv_group_size): a part the group divides is stored as mx.quantize
+      lays it out, ``layers.{i}.kv_latent`` the uint32 codes [1, 1, N, width*bits/32] with
+      ``layers.{i}.kv_latent.scales`` / ``.biases`` [1, 1, N, width/group] (likewise k_pe)
     metadata: format, format_version, offset, layer_kinds ("K"/"M" per layer), model_type, config (the model's
               config as sorted JSON), config_sha256, weights_fingerprint, shard (which rank's part of a distributed
-              model, "" for a whole model), and "user.{key}" for caller metadata.
+              model, "" for a whole model), kv_bits and kv_group_size of the latent cache ("" for float), and
+              "user.{key}" for caller metadata.
 
 ``load_prompt_cache`` refuses, with an error naming the file and the mismatch, a file of another format or version,
 made for another architecture, layer schedule, config (the differing keys are named) or weights (a fingerprint of
 the norm weights and of any LoRA/DoRA adapter weights, which quantization and dtype casts leave within tolerance), or
-with arrays of the wrong shape.
+with arrays of the wrong shape, and a file whose latent-cache quantization is not the one asked for (both named).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .cache import HybridCache, KDACache, MLALatentCache
+from .cache import HybridCache, KDACache, MLALatentCache, check_kv_quant
 
 FORMAT = "kimi-mlx-prompt-cache"
 FORMAT_VERSION = "1"
@@ -101,10 +105,15 @@ def save_prompt_cache(
                 arrays[f"layers.{i}.conv_state"] = c.conv_state
                 arrays[f"layers.{i}.recurrent_state"] = c.recurrent_state
         elif c.offset:
-            arrays[f"layers.{i}.kv_latent"], arrays[f"layers.{i}.k_pe"] = c.state
+            for name, part in zip(("kv_latent", "k_pe"), c.fetch()):
+                if isinstance(part, tuple):
+                    part, arrays[f"layers.{i}.{name}.scales"], arrays[f"layers.{i}.{name}.biases"] = part
+                arrays[f"layers.{i}.{name}"] = part
     if cache[0].left_padding is not None or any(a.shape[0] != 1 for k, a in arrays.items() if k != "tokens"):
         raise ValueError("a prompt-cache file holds one sequence; this cache is a batch")
-    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "offset": str(offset), **model_identity(model)}
+    quant = cache.kv_quant
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "offset": str(offset), **model_identity(model),
+            "kv_bits": "" if quant is None else str(quant[0]), "kv_group_size": "" if quant is None else str(quant[1])}
     for key, value in (metadata or {}).items():
         if not isinstance(value, str):
             raise TypeError(f"prompt-cache metadata '{key}' must be a string, got {type(value).__name__}")
@@ -159,8 +168,30 @@ def _expect(source: str, arrays: dict, name: str, shape: tuple) -> mx.array:
     return a
 
 
-def load_prompt_cache(path: Union[str, Path], model: nn.Module, max_checkpoints: int = 8) -> PromptCache:
-    """Read a file written by ``save_prompt_cache`` into a new cache of ``model`` (see the module doc for checks)."""
+def _quant_name(quant: Optional[tuple[int, int]]) -> str:
+    return "a float latent cache" if quant is None else f"kv_bits={quant[0]}, kv_group_size={quant[1]}"
+
+
+def _expect_part(source: str, arrays: dict, name: str, lead: tuple, width: int, quant: Optional[tuple[int, int]]):
+    """A latent part as stored: a float array, or (codes, scales, biases) when quantized and the group divides it."""
+    if quant is None or width % quant[1]:
+        return _expect(source, arrays, name, (*lead, width))
+    bits, group = quant
+    return (_expect(source, arrays, name, (*lead, width * bits // 32)),
+            _expect(source, arrays, f"{name}.scales", (*lead, width // group)),
+            _expect(source, arrays, f"{name}.biases", (*lead, width // group)))
+
+
+def load_prompt_cache(
+    path: Union[str, Path], model: nn.Module, max_checkpoints: int = 8, *, kv_bits: Optional[int] = None,
+    kv_group_size: int = 64, quantized_kv_start: int = 0,
+) -> PromptCache:
+    """Read a file written by ``save_prompt_cache`` into a new cache of ``model`` (see the module doc for checks).
+
+    ``kv_bits`` / ``kv_group_size``: the latent-cache quantization expected (None: float). A quantized file must have
+    exactly that setting; a float file is refused when quantization is asked for, unless it holds fewer than
+    ``quantized_kv_start`` tokens (a cache not converted yet)."""
+    check_kv_quant(kv_bits, kv_group_size)
     source = str(path)
     if not Path(path).is_file():
         raise PromptCacheError(f"{source}: no such prompt-cache file")
@@ -180,8 +211,21 @@ def load_prompt_cache(path: Union[str, Path], model: nn.Module, max_checkpoints:
     except ValueError:
         raise PromptCacheError(f"{source}: metadata 'offset' is {meta.get('offset')!r}, expected an integer") from None
     tokens = _expect(source, arrays, "tokens", (offset,))
+    try:
+        file_quant = (int(meta["kv_bits"]), int(meta["kv_group_size"])) if meta.get("kv_bits", "") else None
+        check_kv_quant(*(file_quant or (None, 64)))
+    except (KeyError, ValueError):
+        raise PromptCacheError(f"{source}: metadata kv_bits / kv_group_size is {meta.get('kv_bits')!r} / "
+                               f"{meta.get('kv_group_size')!r}, not a latent-cache quantization") from None
+    wanted = None if kv_bits is None else (kv_bits, kv_group_size)
+    if file_quant != wanted and not (file_quant is None and offset < quantized_kv_start):
+        raise PromptCacheError(
+            f"{source}: saved with {_quant_name(file_quant)}, but {_quant_name(wanted)} was asked for; load it with "
+            "the setting it was saved with"
+        )
     cfg = model.args
-    cache = model.make_cache(max_checkpoints=max_checkpoints)
+    cache = model.make_cache(max_checkpoints=max_checkpoints, kv_bits=file_quant and file_quant[0],
+                             kv_group_size=file_quant[1] if file_quant else 64)
     batch = 1
     for i, c in enumerate(cache):
         c.offset = offset
@@ -197,7 +241,8 @@ def load_prompt_cache(path: Union[str, Path], model: nn.Module, max_checkpoints:
                 source, arrays, f"layers.{i}.recurrent_state", (batch, heads, cfg.kda_head_dim, cfg.kda_head_dim),
             )
         elif isinstance(c, MLALatentCache):
-            c.kv_latent = _expect(source, arrays, f"layers.{i}.kv_latent", (batch, 1, offset, cfg.kv_lora_rank))
-            c.k_pe = _expect(source, arrays, f"layers.{i}.k_pe", (batch, 1, offset, cfg.qk_rope_head_dim))
+            c.kv_latent, c.k_pe = (_expect_part(source, arrays, f"layers.{i}.{name}", (batch, 1, offset), width,
+                                                file_quant)
+                                   for name, width in (("kv_latent", cfg.kv_lora_rank), ("k_pe", cfg.qk_rope_head_dim)))
     user = {k[len("user.") :]: v for k, v in meta.items() if k.startswith("user.")}
     return PromptCache(cache, tokens.tolist(), user)

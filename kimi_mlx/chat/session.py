@@ -36,7 +36,9 @@ import mlx.core as mx
 
 from .format import detect_chat_format, render_chat
 from .parser import ReplyEvent, ReplyParser
-from ..generate import check_prompt, stream_generate
+from mlx_lm.generate import maybe_quantize_kv_cache
+
+from ..generate import check_kv_settings, check_prompt, stream_generate
 from ..prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
 
 SESSION_KEY = "chat_session"  # prompt-cache file metadata key holding the session as JSON
@@ -120,7 +122,9 @@ class ChatSession:
     system: system prompt (None: the format's default). tools: OpenAI-style tool declarations. thinking /
     thinking_effort: Kimi-K3 only (None: the format's defaults). chat_format: None detects it from the tokenizer.
     max_tokens: reply limit. max_kv_size: limit on the tokens in the cache (None: unlimited). sampling: keyword
-    arguments of ``stream_generate`` (``SAMPLING_KEYS``).
+    arguments of ``stream_generate`` (``SAMPLING_KEYS``). kv_bits (8 or 4; None: float) / kv_group_size /
+    quantized_kv_start: the MLA latent cache is quantized once it holds ``quantized_kv_start`` tokens (see
+    ``stream_generate``); saved files keep it quantized and ``load`` refuses a file of another setting.
     """
 
     def __init__(
@@ -138,7 +142,12 @@ class ChatSession:
         max_checkpoints: int = 8,
         sampling: Optional[dict] = None,
         prefill_step_size: int = 2048,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
+        quantized_kv_start: int = 0,
     ):
+        check_kv_settings(None, kv_bits, kv_group_size, quantized_kv_start)
+        self.kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "quantized_kv_start": quantized_kv_start}
         self.model, self.tokenizer = model, tokenizer
         self.chat_format = chat_format or detect_chat_format(tokenizer)
         if self.chat_format not in STOP_MARKERS:
@@ -235,6 +244,8 @@ class ChatSession:
         for start in range(0, len(tokens), self.prefill_step_size):
             chunk = list(tokens[start : start + self.prefill_step_size])
             self.model(mx.array(chunk)[None], cache=self.cache)
+            maybe_quantize_kv_cache(self.cache, self.kv["quantized_kv_start"], self.kv["kv_group_size"],
+                                    self.kv["kv_bits"])
             mx.eval([c.state for c in self.cache])
             self.tokens.extend(chunk)
 
@@ -305,7 +316,7 @@ class ChatSession:
             mx.reset_peak_memory()
             for last in stream_generate(
                 self.model, self.tokenizer, prompt[-1:], budget, stop_tokens=self.stop_tokens,
-                prompt_cache=self.cache, **self.sampling,
+                prompt_cache=self.cache, **self.sampling, **self.kv,
             ):
                 if not reply:
                     stats.prefill_s = time.perf_counter() - tic
@@ -363,7 +374,7 @@ class ChatSession:
 
     def read_saved(self, path: Union[str, Path]) -> tuple[Any, dict]:
         """(cache file, session state) saved in ``path``, checked against this session; nothing is changed yet."""
-        loaded = load_prompt_cache(path, self.model, max_checkpoints=self.cache.max_checkpoints)
+        loaded = load_prompt_cache(path, self.model, max_checkpoints=self.cache.max_checkpoints, **self.kv)
         if SESSION_KEY not in loaded.metadata:
             raise PromptCacheError(f"{path}: a prompt-cache file without a chat session (not written by /save)")
         try:

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from ..parallel.plan import cache_bytes
 from . import ranks
-from .generate import add_model_args, load_from_args
+from .generate import add_kv_args, add_model_args, kv_from_args, load_from_args
 
 
 def add_parser(commands) -> None:
@@ -37,20 +37,23 @@ def add_parser(commands) -> None:
                    help="tokens generated per trial (default 128)")
     p.add_argument("--num-trials", "-n", type=int, default=3, metavar="N", help="timed trials per prompt length")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk")
+    add_kv_args(p)
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(run=run)
 
 
-def trial(model, prompt: mx.array, generation_tokens: int, prefill_step_size: int) -> dict:
-    """One timed run: ``prompt`` [T] int ids -> prompt tok/s (prefill + first token), generation tok/s, peak GB."""
+def trial(model, prompt: mx.array, generation_tokens: int, prefill_step_size: int, kv: dict) -> dict:
+    """One timed run: ``prompt`` [T] int ids -> prompt tok/s (prefill + first token), generation tok/s, peak GB,
+    and the bytes its cache holds at the end; ``kv``: ``kv_from_args``."""
     from mlx_lm.generate import generate_step
 
     mx.clear_cache()
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prefill = 0.0
-    steps = generate_step(prompt, model, max_tokens=generation_tokens, prompt_cache=model.make_cache(),
-                          prefill_step_size=prefill_step_size)
+    cache = model.make_cache()
+    steps = generate_step(prompt, model, max_tokens=generation_tokens, prompt_cache=cache,
+                          prefill_step_size=prefill_step_size, **kv)
     for n, _ in enumerate(steps, start=1):
         if n == 1:
             prefill = time.perf_counter() - tic
@@ -60,6 +63,7 @@ def trial(model, prompt: mx.array, generation_tokens: int, prefill_step_size: in
         "prompt_tps": prompt.size / prefill,
         "generation_tps": (generation_tokens - 1) / decode if generation_tokens > 1 else 0.0,
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        "measured_cache_bytes": cache.nbytes,
     }
 
 
@@ -88,13 +92,16 @@ def _run(args: argparse.Namespace, group) -> int:
     rows = []
     for length in args.prompt_tokens:
         prompt = mx.random.randint(0, tokenizer.vocab_size, (length,))
-        trial(model, prompt, args.generation_tokens, args.prefill_step_size)  # warm-up (compiles, allocations)
-        runs = [trial(model, prompt, args.generation_tokens, args.prefill_step_size) for _ in range(args.num_trials)]
+        kv = kv_from_args(args)
+        trial(model, prompt, args.generation_tokens, args.prefill_step_size, kv)  # warm-up (compiles, allocations)
+        runs = [trial(model, prompt, args.generation_tokens, args.prefill_step_size, kv) for _ in range(args.num_trials)]
         act_bytes = model.layers[0].input_layernorm.weight.dtype.size  # the model's float dtype (norms stay in it)
         rows.append({"prompt_tokens": length, "generation_tokens": args.generation_tokens,
-                     "cache_bytes": cache_bytes(model.args, length, act_bytes=act_bytes),
+                     "cache_bytes": cache_bytes(model.args, length, act_bytes=act_bytes, kv_bits=args.kv_bits,
+                                                kv_group_size=args.kv_group_size),
                      **{k: statistics.median(r[k] for r in runs) for k in runs[0]}})
-    info = {"model": str(args.model), "device": str(mx.default_device()), "trials": args.num_trials, "results": rows}
+    info = {"model": str(args.model), "device": str(mx.default_device()), "trials": args.num_trials,
+            "kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size, "results": rows}
     if args.json:
         print(json.dumps(info))
         return 0

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from . import ranks
 from ..parallel.comm import broadcast_text
-from .generate import add_chat_args, add_model_args, add_sampling_args, load_from_args, sampling_from_args
+from .generate import (add_chat_args, add_kv_args, add_model_args, add_sampling_args, kv_from_args, load_from_args,
+                       sampling_from_args)
 
 HELP = """commands:
   /reset              forget the conversation (settings stay)
@@ -45,6 +46,7 @@ def add_parser(commands) -> None:
     add_model_args(p)
     add_sampling_args(p, max_tokens=512)
     add_chat_args(p)
+    add_kv_args(p)
     p.add_argument("--tools", default=None, metavar="FILE", help="JSON file with a list of tool declarations")
     p.add_argument("--hide-reasoning", action="store_true", help="do not show the reasoning, only the answer")
     p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
@@ -263,7 +265,7 @@ def _run(args: argparse.Namespace, group) -> int:
         session = ChatSession(
             model, tokenizer, system=args.system, tools=tools, thinking=args.think, thinking_effort=args.effort,
             chat_format=args.chat_format, max_tokens=args.max_tokens, max_kv_size=args.max_kv_size,
-            max_checkpoints=args.max_checkpoints, sampling=sampling,
+            max_checkpoints=args.max_checkpoints, sampling=sampling, **kv_from_args(args),
         )
         if args.load:
             with ranks.together(group, f"loading {args.load}"):

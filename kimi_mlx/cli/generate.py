@@ -50,6 +50,25 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
 
 
+def add_kv_args(p: argparse.ArgumentParser, start: bool = True) -> None:
+    """--kv-bits, --kv-group-size (and --quantized-kv-start): the MLA latent cache's quantization."""
+    p.add_argument("--kv-bits", type=int, choices=(4, 8), default=None,
+                   help="quantize the MLA latent cache to this many bits (default: float)")
+    p.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64,
+                   help="quantization group of the latent cache (with --kv-bits)")
+    if start:
+        p.add_argument("--quantized-kv-start", type=int, default=0, metavar="N",
+                       help="keep the cache float until it holds N tokens (with --kv-bits)")
+
+
+def kv_from_args(args: argparse.Namespace) -> dict:
+    """``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start`` keyword arguments of the parsed kv flags."""
+    kv = {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size}
+    if hasattr(args, "quantized_kv_start"):
+        kv["quantized_kv_start"] = args.quantized_kv_start
+    return kv
+
+
 def add_chat_args(p: argparse.ArgumentParser) -> None:
     """--system, --think/--no-think, --effort, --chat-format."""
     p.add_argument("--system", default=None, help="system prompt")
@@ -125,6 +144,7 @@ def add_parser(commands) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat format")
     add_chat_args(p)
+    add_kv_args(p)
     p.add_argument("--prompt-cache", default=None, metavar="FILE",
                    help="reuse the prompt cache in FILE when the prompt starts with its tokens; if FILE does not "
                         "exist, save the prompt's cache there first")
@@ -162,11 +182,14 @@ def _prompt_cache(args: argparse.Namespace, model, tokens: list[int]):
     """(cache, tokens still to feed): reuses or creates ``--prompt-cache``; None when the flag is not given."""
     from pathlib import Path
 
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
     from ..prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
 
     path = Path(args.prompt_cache)
+    kv = kv_from_args(args)
     if path.exists():
-        loaded = load_prompt_cache(path, model)
+        loaded = load_prompt_cache(path, model, **kv)
         n = len(loaded.tokens)
         if n >= len(tokens) or tokens[:n] != loaded.tokens:
             raise PromptCacheError(
@@ -178,6 +201,7 @@ def _prompt_cache(args: argparse.Namespace, model, tokens: list[int]):
     head = tokens[:-1]
     for start in range(0, len(head), 2048):
         model(mx.array(head[start : start + 2048])[None], cache=cache)
+        maybe_quantize_kv_cache(cache, kv["quantized_kv_start"], kv["kv_group_size"], kv["kv_bits"])
         mx.eval([c.state for c in cache])
     save_prompt_cache(path, model, cache, head)
     return cache, tokens[-1:]
@@ -208,7 +232,7 @@ def _run(args: argparse.Namespace, group: Optional[mx.distributed.Group]) -> int
 
     model, tokenizer = load_from_args(args, progress=not (args.quiet or args.json), group=group)
     tokens = _prompt_tokens(args, tokenizer, group)
-    cache, feed = _prompt_cache(args, model, tokens) if args.prompt_cache else (None, tokens)
+    cache, feed = _prompt_cache(args, model, tokens) if args.prompt_cache else (model.make_cache(), tokens)
     parser = None
     if args.chat:
         from ..chat.format import detect_chat_format
@@ -220,7 +244,7 @@ def _run(args: argparse.Namespace, group: Optional[mx.distributed.Group]) -> int
     tic = time.perf_counter()
     text, last, first_s = "", None, None
     for last in stream_generate(model, tokenizer, feed, args.max_tokens, stop_strings=args.stop, prompt_cache=cache,
-                                **sampling):
+                                **sampling, **kv_from_args(args)):
         first_s = first_s or time.perf_counter() - tic
         text += last.text
         if parser is not None:
@@ -233,6 +257,8 @@ def _run(args: argparse.Namespace, group: Optional[mx.distributed.Group]) -> int
         "generation_tokens": last.generation_tokens if last else 0,
         "generation_tps": last.generation_tps if last else 0.0,
         "peak_memory_gb": last.peak_memory if last else 0.0, "finish_reason": last.finish_reason if last else None,
+        "cache_bytes": cache.nbytes, "kv_bits": (cache.kv_quant or (None,))[0],
+        "kv_group_size": (cache.kv_quant or (None, None))[1],
     }
     if args.json:
         reply = None

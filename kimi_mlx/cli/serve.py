@@ -17,7 +17,8 @@ import re
 import sys
 
 from . import ranks
-from .generate import add_chat_args, add_model_args, add_sampling_args, load_from_args, sampling_from_args
+from .generate import (add_chat_args, add_kv_args, add_model_args, add_sampling_args, kv_from_args, load_from_args,
+                       sampling_from_args)
 
 log = logging.getLogger("kimi_mlx.server")
 
@@ -40,6 +41,7 @@ def add_parser(commands) -> None:
     add_model_args(p)
     add_sampling_args(p, max_tokens=2048)
     add_chat_args(p)
+    add_kv_args(p, start=False)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=None, metavar="KEY",
@@ -104,7 +106,8 @@ def _backend_parts(args: argparse.Namespace, group):
     if budget is None:
         budget = max(0, usable_memory() - mx.get_active_memory()) // 4
     scheduler = Scheduler(model, max_batch=args.max_batch, max_queue=args.max_queue, prompt_cache_bytes=budget,
-                          prefill_chunk=args.prefill_chunk, checkpoint_interval=args.checkpoint_interval, group=group)
+                          prefill_chunk=args.prefill_chunk, checkpoint_interval=args.checkpoint_interval, group=group,
+                          **kv_from_args(args))
     return model, tokenizer, chat_format, scheduler, sampling, budget
 
 

@@ -11,6 +11,7 @@ output gate ``g_proj`` applied to the block input x, multiplied into the concate
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Union
 
 import mlx.core as mx
@@ -20,6 +21,7 @@ from mlx_lm.models.mla import MultiLinear
 from ..cache import MLALatentCache
 from ..config import KimiConfig
 from ..ops.mla_attention import KEY_BLOCK, mla_attention
+from ..ops.mla_quantized import quantized_mla_attention
 from .norm import RMSNorm
 
 
@@ -65,7 +67,10 @@ class KimiMLA(nn.Module):
         if cache is not None:
             kv_latent, k_pe = cache.update_and_fetch(kv_latent, k_pe)
 
-        out = mla_attention(
+        attention = mla_attention
+        if getattr(cache, "kv_bits", None) is not None:  # a quantized latent cache: read it as it is stored
+            attention = partial(quantized_mla_attention, bits=cache.kv_bits, group_size=cache.kv_group_size)
+        out = attention(
             q_nope, q_pe, kv_latent, k_pe, self.embed_q, self.unembed_out, self.scale, mask, key_block=self.key_block
         )
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)

@@ -117,8 +117,9 @@ class K3Model(nn.Module):
     def layers(self):
         return self.language_model.layers
 
-    def make_cache(self, left_padding: Optional[list[int]] = None, max_checkpoints: int = 8):
-        return self.language_model.make_cache(left_padding, max_checkpoints)
+    def make_cache(self, left_padding: Optional[list[int]] = None, max_checkpoints: int = 8,
+                   kv_bits: Optional[int] = None, kv_group_size: int = 64):
+        return self.language_model.make_cache(left_padding, max_checkpoints, kv_bits, kv_group_size)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Official K3 layout (``language_model.`` prefix, or none) -> this model's parameters; vision/MTP dropped."""

@@ -106,10 +106,13 @@ class Model(nn.Module):
     def layers(self):
         return self.model.layers
 
-    def make_cache(self, left_padding: Optional[list[int]] = None, max_checkpoints: int = 8):
+    def make_cache(self, left_padding: Optional[list[int]] = None, max_checkpoints: int = 8,
+                   kv_bits: Optional[int] = None, kv_group_size: int = 64):
         """A ``HybridCache`` of per-layer caches (KDA or MLA latent) keeping up to ``max_checkpoints`` checkpoints;
-        ``left_padding`` for a ragged, left-padded batch."""
-        return make_cache([layer.is_linear for layer in self.layers], left_padding, max_checkpoints)
+        ``left_padding`` for a ragged, left-padded batch; ``kv_bits`` (8 or 4) / ``kv_group_size`` (32, 64, 128)
+        quantize the MLA latent cache."""
+        return make_cache([layer.is_linear for layer in self.layers], left_padding, max_checkpoints, kv_bits,
+                          kv_group_size)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Map Moonshot's original or mlx-lm's key layout to this model's parameters."""

@@ -33,7 +33,7 @@ from typing import AsyncIterator, Iterator, Optional, Union
 
 import mlx.core as mx
 
-from ..cache import HybridCache, cache_from_snapshot, merge_caches
+from ..cache import HybridCache, cache_from_snapshot, check_kv_quant, merge_caches
 from ..parallel import comm
 from .prefix_cache import PrefixCache
 from .sampling import RowSampler, SamplingParams, top_logprobs
@@ -203,14 +203,18 @@ class Scheduler:
 
     max_batch: rows decoded together; max_queue: requests waiting beyond those; prompt_cache_bytes: the prefix
     cache's byte budget (0 disables it); prefill_chunk: prompt tokens prefilled per loop turn; checkpoint_interval:
-    snapshot spacing inside long prompts (0: only at message boundaries); group: the model's distributed group.
+    snapshot spacing inside long prompts (0: only at message boundaries); group: the model's distributed group;
+    kv_bits / kv_group_size: every row's MLA latent cache is quantized (so are its snapshots and merged batches).
     """
 
     def __init__(self, model, *, max_batch: int = 16, max_queue: int = 64, prompt_cache_bytes: int = 2 << 30,
                  prefill_chunk: int = 512, checkpoint_interval: int = 4096,
-                 group: Optional[mx.distributed.Group] = None):
+                 group: Optional[mx.distributed.Group] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or checkpoint_interval < 0:
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue and checkpoint_interval >= 0")
+        check_kv_quant(kv_bits, kv_group_size)
+        # every row's cache (quantized from the start); none: the model's plain make_cache()
+        self.kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size} if kv_bits is not None else {}
         self.model = model
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefill_chunk, self.checkpoint_interval = prefill_chunk, checkpoint_interval
@@ -359,7 +363,7 @@ class Scheduler:
             entry = self.prefix_cache.get(entry_id)
             row.cache, row.done = cache_from_snapshot(entry.snapshot), entry.length
         else:
-            row.cache = self.model.make_cache()
+            row.cache = self.model.make_cache(**self.kv)
         stream.cached_tokens = row.done
         stops = {p: "message" for p in req.boundaries}
         if self.checkpoint_interval:
