@@ -92,21 +92,21 @@ def test_decode_after_long_prefill_equals_full_forward(kl_blocks):
     assert decode_vs_full(kl_blocks, 4093, 1024, 64) < 1e-5
 
 
-def chunk_transient_memory(model, context: int, chunk: int) -> int:
+def chunk_transient_memory(model, context: int, chunk: int, **kv) -> int:
     """Bytes a ``chunk``-token prefill chunk needs beyond weights, inputs and cache, after ``context`` tokens.
 
     The first chunk is real; the MLA latent caches are then filled up to ``context`` with random latents (attention
     cost and memory depend only on their length) so long contexts are cheap to reach, with room for the chunk (so
     this measures attention, not the cache's growth by copying, which costs one cache size)."""
     tokens = mx.random.randint(0, model.args.vocab_size, (1, 2 * chunk), key=mx.random.key(0))
-    cache = model.make_cache()
+    cache = model.make_cache(**kv)
     mx.eval(model(tokens[:, :chunk], cache=cache))
     fill = context - chunk
     for layer, c in zip(model.layers, cache):
         if layer.is_linear:
             c.advance(fill)
         else:
-            shapes = (c.kv_latent.shape[-1], c.k_pe.shape[-1])
+            shapes = (model.args.kv_lora_rank, model.args.qk_rope_head_dim)
             c.update_and_fetch(*(mx.random.normal((1, 1, fill + chunk, d)) for d in shapes))
             c.trim(chunk)
     mx.eval([c.state for c in cache])
@@ -116,10 +116,12 @@ def chunk_transient_memory(model, context: int, chunk: int) -> int:
     return mx.get_peak_memory() - base
 
 
-def test_prefill_memory_independent_of_context(kl_blocks):
+@pytest.mark.parametrize("kv", [{}, {"kv_bits": 8, "kv_group_size": 64}], ids=["float", "kv8"])
+def test_prefill_memory_independent_of_context(kl_blocks, kv):
     """float32: a 512-token chunk after 32K tokens needs <= 1.25x the memory of one after 4K (scaled down from 2048-token
-    chunks at 8K vs 64K, which bench/bench_mla_attention.py --memory measures: a minute on two cores)."""
+    chunks at 8K vs 64K, which bench/bench_mla_attention.py --memory measures: a minute on two cores); the same with
+    an 8-bit latent cache (its prefill dequantizes one key block at a time)."""
     set_key_block(kl_blocks, mla_ops.KEY_BLOCK)
-    short = chunk_transient_memory(kl_blocks, 4096, 512)
-    long = chunk_transient_memory(kl_blocks, 32768, 512)
+    short = chunk_transient_memory(kl_blocks, 4096, 512, **kv)
+    long = chunk_transient_memory(kl_blocks, 32768, 512, **kv)
     assert long <= 1.25 * short, (short / 2**20, long / 2**20)

@@ -39,6 +39,14 @@ def _block(part, s0: int, s1: int):
     return tuple(a[:, :, s0:s1] for a in part) if isinstance(part, tuple) else part[:, :, s0:s1]
 
 
+def _after(parts: tuple, done: list[mx.array]) -> tuple:
+    """``parts`` (float arrays or quantized triples) made to wait for ``done``: the previous block's running state,
+    so the lazy graph does not compute (and hold) every block's scores first."""
+    flat = [a for p in parts for a in (p if isinstance(p, tuple) else (p,))]
+    flat = iter(mx.depends(flat, done))
+    return tuple(tuple(next(flat) for _ in p) if isinstance(p, tuple) else next(flat) for p in parts)
+
+
 def quantized_mla_attention(
     q_nope: mx.array,
     q_pe: mx.array,
@@ -69,6 +77,8 @@ def quantized_mla_attention(
     for s0 in range(0, S, key_block):
         s1 = min(s0 + key_block, S)
         c, kr = _block(kv_latent, s0, s1), _block(k_pe, s0, s1)
+        if acc is not None:
+            c, kr = _after((c, kr), [m, den, acc])
         if absorbed:
             s = _qmm(q_lat, c, True, group_size, bits) + _qmm(q_rot, kr, True, group_size, bits)
             s = s.reshape(B, H, T, s1 - s0)
