@@ -123,8 +123,8 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "sampling: kimi-mlx generate drops --top-p",
-        (("kimi_mlx/cli/generate.py", "prompt_cache=cache,\n                                **sampling):",
-          'prompt_cache=cache,\n                                **{**sampling, "top_p": 1.0}):'),),
+        (("kimi_mlx/cli/generate.py", "prompt_cache=cache,\n                                **sampling, **kv_from_args(args)):",
+          'prompt_cache=cache,\n                                **{**sampling, "top_p": 1.0}, **kv_from_args(args)):'),),
         ("tests/test_sampling.py::test_cli_generate_passes_the_sampling_flags",),
     ),
     PlantedBug(
@@ -310,7 +310,7 @@ BUGS: tuple[PlantedBug, ...] = (
     PlantedBug(
         "server cache: cache_from_snapshot hands the snapshot's own MLA arrays to the cache (a write after a trim "
         "alters the snapshot)",
-        (("kimi_mlx/cache.py", "c.kv_latent, c.k_pe = mx.array(a), mx.array(b)", "c.kv_latent, c.k_pe = a, b"),),
+        (("kimi_mlx/cache.py", "c.kv_latent, c.k_pe = _map(a, mx.array), _map(b, mx.array)", "c.kv_latent, c.k_pe = a, b"),),
         ("tests/test_cache_merge.py::test_snapshot_is_independent_of_its_caches",),
     ),
     PlantedBug(
