@@ -191,7 +191,7 @@ class MLALatentCache(_LayerCache):
 
 class QuantizedMLALatentCache(MLALatentCache):
     """``MLALatentCache`` holding each latent part as ``mx.quantize(part, group_size, bits)`` (affine), a part whose
-    width ``group_size`` does not divide in float; attention reads it through ``ops.mla_quantized``."""
+    width ``group_size`` does not divide in float; attention reads it as stored (``ops.mla_attention``, ``quant=``)."""
 
     def __init__(self, left_padding: Optional[mx.array] = None, *, bits: int = 8, group_size: int = 64):
         check_kv_quant(bits, group_size)

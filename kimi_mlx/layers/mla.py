@@ -11,7 +11,6 @@ output gate ``g_proj`` applied to the block input x, multiplied into the concate
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Optional, Union
 
 import mlx.core as mx
@@ -21,7 +20,6 @@ from mlx_lm.models.mla import MultiLinear
 from ..cache import MLALatentCache
 from ..config import KimiConfig
 from ..ops.mla_attention import KEY_BLOCK, mla_attention
-from ..ops.mla_quantized import quantized_mla_attention
 from .norm import RMSNorm
 
 
@@ -67,11 +65,10 @@ class KimiMLA(nn.Module):
         if cache is not None:
             kv_latent, k_pe = cache.update_and_fetch(kv_latent, k_pe)
 
-        attention = mla_attention
-        if getattr(cache, "kv_bits", None) is not None:  # a quantized latent cache: read it as it is stored
-            attention = partial(quantized_mla_attention, bits=cache.kv_bits, group_size=cache.kv_group_size)
-        out = attention(
-            q_nope, q_pe, kv_latent, k_pe, self.embed_q, self.unembed_out, self.scale, mask, key_block=self.key_block
+        quant = getattr(cache, "quant", None)  # (bits, group_size) of a quantized latent cache: read as stored
+        out = mla_attention(
+            q_nope, q_pe, kv_latent, k_pe, self.embed_q, self.unembed_out, self.scale, mask, key_block=self.key_block,
+            quant=quant,
         )
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
         if "g_proj" in self:

@@ -70,11 +70,40 @@ def _block_mask(mask: Mask, T: int, S: int, s0: int, s1: int) -> Optional[mx.arr
     return None
 
 
+Quant = Optional[tuple[int, int]]  # (bits, group_size) of a quantized latent cache, None for a float one
+
+
+def _mm(x: mx.array, part, transpose: bool, quant: Quant) -> mx.array:
+    """``x @ part.T`` (transpose) or ``x @ part`` for a float part or an ``mx.quantize`` triple (read as stored)."""
+    if isinstance(part, tuple):
+        bits, group_size = quant
+        return mx.quantized_matmul(x, *part, transpose=transpose, group_size=group_size, bits=bits)
+    return x @ (part.swapaxes(-1, -2) if transpose else part)
+
+
+def _dequantized(part, quant: Quant) -> mx.array:
+    if isinstance(part, tuple):
+        bits, group_size = quant
+        return mx.dequantize(*part, group_size=group_size, bits=bits)
+    return part
+
+
+def _block(part, s0: int, s1: int):
+    return tuple(a[:, :, s0:s1] for a in part) if isinstance(part, tuple) else part[:, :, s0:s1]
+
+
+def _after(parts: tuple, done: list[mx.array]) -> tuple:
+    """``parts`` (float arrays or quantized triples) made to wait for ``done``, the previous block's running state:
+    else the lazy graph may compute every block's scores first and hold them all (memory O(S) again)."""
+    flat = iter(mx.depends([a for p in parts for a in (p if isinstance(p, tuple) else (p,))], done))
+    return tuple(tuple(next(flat) for _ in p) if isinstance(p, tuple) else next(flat) for p in parts)
+
+
 def mla_attention(
     q_nope: mx.array,
     q_pe: mx.array,
-    kv_latent: mx.array,
-    k_pe: mx.array,
+    kv_latent,
+    k_pe,
     embed_q: Callable,
     unembed_out: Callable,
     scale: float,
@@ -82,18 +111,24 @@ def mla_attention(
     *,
     key_block: int = KEY_BLOCK,
     absorbed: Optional[bool] = None,
+    quant: Quant = None,
 ) -> mx.array:
     """Attention output [B, H, T, dv] (see the module docstring for shapes); ``key_block`` keys per block;
-    ``absorbed`` forces the blockwise form (default: absorbed for T <= ``ABSORBED_MAX_QUERIES``)."""
+    ``absorbed`` forces the blockwise form (default: absorbed for T <= ``ABSORBED_MAX_QUERIES``).
+
+    ``quant`` = (bits, group_size): ``kv_latent`` / ``k_pe`` may be ``mx.quantize`` triples (codes, scales, biases)
+    of a quantized cache (a part its group size does not divide stays float). They are read as stored: absorbed
+    blocks by ``mx.quantized_matmul`` (scores with ``transpose=True``, the weighted sum with ``False``), expanded
+    blocks dequantized one block at a time; never the whole cache at once."""
     B, H, T, _ = q_nope.shape
-    S = kv_latent.shape[2]
+    S = (kv_latent[0] if isinstance(kv_latent, tuple) else kv_latent).shape[2]
     if absorbed is None:
         absorbed = T <= ABSORBED_MAX_QUERIES
-    if absorbed and metal.enabled():
+    if quant is None and absorbed and metal.enabled():
         # Metal: the absorbed form as one kernel launch (ops/mla_attention_metal.py), whatever S; the pure path's
         # gradients.
         return mla_attention_metal.mla_attention_metal(q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, mask)
-    if S <= key_block:
+    if quant is None and S <= key_block:
         return _fused(q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, mask)
     if absorbed:
         # One shared latent "head": fold heads into the query axis so each block is one matmul for all heads.
@@ -104,14 +139,13 @@ def mla_attention(
     m = l = acc = None
     for s0 in range(0, S, key_block):
         s1 = min(s0 + key_block, S)
-        c, kr = kv_latent[:, :, s0:s1], k_pe[:, :, s0:s1]
+        c, kr = _block(kv_latent, s0, s1), _block(k_pe, s0, s1)
         if acc is not None:
-            # Nothing of this block before the previous one is done: else the lazy graph may compute every block's
-            # scores first and hold them all (memory O(S) again).
-            c, kr = mx.depends([c, kr], [m, l, acc])
+            c, kr = _after((c, kr), [m, l, acc])
         if absorbed:
-            s = (q_lat @ c.swapaxes(-1, -2) + q_rot @ kr.swapaxes(-1, -2)).reshape(B, H, T, s1 - s0)
+            s = (_mm(q_lat, c, True, quant) + _mm(q_rot, kr, True, quant)).reshape(B, H, T, s1 - s0)
         else:
+            c, kr = _dequantized(c, quant), _dequantized(kr, quant)
             v = unembed_out(c)
             s = q_nope @ embed_q(c, transpose=False).swapaxes(-1, -2) + q_pe @ kr.swapaxes(-1, -2)
         s = s.astype(mx.float32)
@@ -121,7 +155,8 @@ def mla_attention(
         m_new = s.max(axis=-1, keepdims=True) if m is None else mx.maximum(m, s.max(axis=-1, keepdims=True))
         p = mx.exp(s - m_new)
         if absorbed:
-            pv = (p.astype(c.dtype).reshape(B, 1, H * T, s1 - s0) @ c).reshape(B, H, T, -1)
+            p_dtype = q_lat.dtype if isinstance(c, tuple) else c.dtype
+            pv = _mm(p.astype(p_dtype).reshape(B, 1, H * T, s1 - s0), c, False, quant).reshape(B, H, T, -1)
         else:
             pv = p.astype(v.dtype) @ v
         if m is None:
