@@ -11,7 +11,7 @@ output gate ``g_proj`` applied to the block input x, multiplied into the concate
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,7 +19,7 @@ from mlx_lm.models.mla import MultiLinear
 
 from ..cache import MLALatentCache
 from ..config import KimiConfig
-from ..ops.mla_attention import KEY_BLOCK, mla_attention
+from ..ops.mla_attention import KEY_BLOCK, Mask, mla_attention
 from .norm import RMSNorm
 
 
@@ -53,9 +53,10 @@ class KimiMLA(nn.Module):
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def __call__(
-        self, x: mx.array, mask: Union[None, str, mx.array] = None, cache: Optional[MLALatentCache] = None
+        self, x: mx.array, mask: Mask = None, cache: Optional[MLALatentCache] = None
     ) -> mx.array:
-        """x: [B, T, hidden]; mask: None (single query), "causal", or [B, 1, T, S] bool (True = may attend)."""
+        """x: [B, T, hidden]; mask: None (single query), "causal", ``LeftPaddedCausal`` or [B, 1, T, S] bool (True = may
+        attend)."""
         B, T, _ = x.shape
         q = self._q(x).reshape(B, T, self.num_heads, self.nope + self.rope).transpose(0, 2, 1, 3)
         q_nope, q_pe = mx.split(q, [self.nope], axis=-1)

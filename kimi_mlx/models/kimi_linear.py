@@ -8,7 +8,7 @@ except in one-token steps that continue a cache (decode: the generators check pr
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,6 +20,7 @@ from ..layers.kda import KimiDeltaAttention
 from ..layers.mla import KimiMLA
 from ..layers.moe import MLP, SparseMoE, make_activation
 from ..layers.norm import RMSNorm
+from ..ops.mla_attention import LeftPaddedCausal, Mask
 from ..validation import check_token_ids
 
 
@@ -42,20 +43,13 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def attention_mask(T: int, offset: int, left_padding: Optional[mx.array]) -> Union[None, str, mx.array]:
+def attention_mask(T: int, offset: int, left_padding: Optional[mx.array]) -> Mask:
     """Mask for T new queries over offset+T keys: None (one unpadded query), "causal" (no padding; SDPA aligns it
-    to the last key), or a bool array [B, 1, T, offset+T] for a left-padded batch.
-
-    Padded keys (position < left_padding[b]) are hidden; a padded query still sees itself so no row is empty.
-    """
+    to the last key), or ``LeftPaddedCausal`` for a left-padded batch (padded keys hidden, a padded query still sees
+    itself; ``mla_attention`` builds it one key block at a time)."""
     if left_padding is None:
         return None if T == 1 else "causal"
-    q_pos = offset + mx.arange(T)
-    k_pos = mx.arange(offset + T)
-    mask = k_pos[None, :] <= q_pos[:, None]
-    real_key = k_pos[None, None, :] >= left_padding[:, None, None]
-    itself = k_pos[None, None, :] == q_pos[None, :, None]
-    return (mask[None] & (real_key | itself))[:, None]
+    return LeftPaddedCausal(left_padding)
 
 
 def layer_masks(T: int, cache) -> tuple[Optional[mx.array], Optional[mx.array]]:

@@ -5,7 +5,8 @@ Shapes (B batch, H heads, T queries, S keys, r = kv_lora_rank, dn = qk_nope, dr 
     q_nope [B, H, T, dn]   q_pe [B, H, T, dr]   kv_latent (c_kv) [B, 1, S, r]   k_pe [B, 1, S, dr]
     embed_q:     embed_q(x) [.., dn] -> [.., r] (= x W_kb);  embed_q(c, transpose=False) [B, 1, S, r] -> [B, H, S, dn]
     unembed_out: [.., r] -> [.., dv] per head (W_vb)
-    mask: None, "causal" (queries are the last T positions of the S keys), or bool [B, 1, T, S] (True = may attend)
+    mask: None, "causal" (queries are the last T positions of the S keys), ``LeftPaddedCausal`` (a left-padded batch,
+          built per key block), or bool [B, 1, T, S] (True = may attend)
     -> out [B, H, T, dv]
 
 score(t, s) = scale * (q_nope . k_nope_s + q_pe . k_pe_s) with k_nope_s = c_kv_s W_kb^T and v_s = c_kv_s W_vb^T.
@@ -32,6 +33,7 @@ gradients; elsewhere, and for the expanded form, this pure path (differentiable)
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import mlx.core as mx
@@ -42,7 +44,28 @@ from . import mla_attention_metal
 KEY_BLOCK = 512  # keys per block: ~9 x H x T x KEY_BLOCK floats in flight; S <= KEY_BLOCK takes the fused SDPA
 ABSORBED_MAX_QUERIES = 128  # blockwise: latent-space (absorbed) attention up to this many queries, expanded beyond
 
-Mask = Union[None, str, mx.array]
+
+
+@dataclass(frozen=True)
+class LeftPaddedCausal:
+    """The causal mask of a left-padded batch, built one key block at a time (never [B, T, S] at once).
+
+    Queries are the last T of the S positions; row b's keys before ``left_padding[b]`` ([B] int) are hidden, except
+    that a (padded) query always sees itself, so no row is empty."""
+
+    left_padding: mx.array
+
+    def block(self, T: int, S: int, s0: int, s1: int) -> mx.array:
+        """Bool [B, 1, T, s1 - s0] for keys [s0, s1) (True = may attend)."""
+        q_pos = (S - T) + mx.arange(T)
+        k_pos = mx.arange(s0, s1)
+        causal = k_pos[None, :] <= q_pos[:, None]
+        real_key = k_pos[None, None, :] >= self.left_padding[:, None, None]
+        itself = k_pos[None, None, :] == q_pos[None, :, None]
+        return (causal[None] & (real_key | itself))[:, None]
+
+
+Mask = Union[None, str, mx.array, LeftPaddedCausal]
 
 
 def _fused(q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, mask):
@@ -64,6 +87,8 @@ def _block_mask(mask: Mask, T: int, S: int, s0: int, s1: int) -> Optional[mx.arr
     """Bool mask for keys [s0, s1) ([B, 1, T, s1-s0] or [T, s1-s0]), or None when the block is fully visible."""
     if isinstance(mask, mx.array):
         return mask[..., s0:s1]
+    if isinstance(mask, LeftPaddedCausal):
+        return mask.block(T, S, s0, s1)
     if mask == "causal" and s1 > S - T + 1:
         q_pos = (S - T) + mx.arange(T)
         return mx.arange(s0, s1)[None, :] <= q_pos[:, None]
@@ -124,12 +149,15 @@ def mla_attention(
     S = (kv_latent[0] if isinstance(kv_latent, tuple) else kv_latent).shape[2]
     if absorbed is None:
         absorbed = T <= ABSORBED_MAX_QUERIES
+    whole_mask = mask.block(T, S, 0, S) if isinstance(mask, LeftPaddedCausal) else mask  # fused / kernel: [B, 1, T, S]
     if quant is None and absorbed and metal.enabled():
         # Metal: the absorbed form as one kernel launch (ops/mla_attention_metal.py), whatever S; the pure path's
         # gradients.
-        return mla_attention_metal.mla_attention_metal(q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, mask)
+        return mla_attention_metal.mla_attention_metal(
+            q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, whole_mask
+        )
     if quant is None and S <= key_block:
-        return _fused(q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, mask)
+        return _fused(q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, whole_mask)
     if absorbed:
         # One shared latent "head": fold heads into the query axis so each block is one matmul for all heads.
         q_lat = (embed_q(q_nope) * scale).reshape(B, 1, H * T, -1)
