@@ -14,6 +14,10 @@ mlx-lm's ``prefill_step_size``) into a fresh cache, timed; then ``--decode-steps
   keeps): the quantity that must not grow with the context;
 - cache: bytes held by the cache after the prefill.
 
+kimi-mlx's caches reserve room for the prompt and the decode steps up front, as its generators do
+(``kimi_mlx.cache.reserve_cache``); without it every growth of the latent cache copies it, a transient of the cache's
+size. mlx-lm's caches grow by copying (its own behaviour).
+
     python bench/bench_long_context.py --models tiny --sizes 8192 32768 131072 262144
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python bench/bench_long_context.py --models bench --sizes 8192 32768
 
@@ -86,6 +90,10 @@ def measure(impl: str, path: Path, size: int, chunk: int, decode_steps: int) -> 
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     tokens = mx.array(np.random.default_rng(0).integers(0, vocab, (1, size)))
     cache = make_cache()
+    if impl.startswith("kimi-mlx"):  # as kimi-mlx's generators do: room for prompt + reply at the first allocation
+        from kimi_mlx.cache import reserve_cache
+
+        reserve_cache(cache, size + decode_steps + 1)
     mx.clear_cache()
     mx.reset_peak_memory()
     t0 = time.perf_counter()

@@ -97,7 +97,12 @@ def _width(part) -> int:
 
 
 class MLALatentCache(_LayerCache):
-    """Latent KV of one MLA layer; grows in steps of ``step`` positions."""
+    """Latent KV of one MLA layer; grows in steps of ``step`` positions, or at once to ``reserved`` positions.
+
+    Growing copies the filled part into a larger buffer, so for a moment the cache is held twice: a transient of the
+    cache's size at every growth. ``reserve(n)`` (what the generators call with prompt + max_tokens) makes the first
+    allocation hold ``n`` positions, so a long prefill and its decode never regrow.
+    """
 
     step = 256
     kv_bits: Optional[int] = None
@@ -107,6 +112,11 @@ class MLALatentCache(_LayerCache):
         super().__init__(left_padding)
         self.kv_latent = None  # [B, 1, capacity, r] (quantized: a (codes, scales, biases) triple)
         self.k_pe = None  # [B, 1, capacity, dr] (likewise)
+        self.reserved = 0
+
+    def reserve(self, n: int) -> None:
+        """Hold room for ``n`` positions in all from the next growth on (no copy now)."""
+        self.reserved = max(self.reserved, n)
 
     @property
     def quant(self) -> Optional[tuple[int, int]]:
@@ -127,7 +137,7 @@ class MLALatentCache(_LayerCache):
         prev, n = self.offset, kv_latent.shape[2]
         new = [self._encode(kv_latent), self._encode(k_pe)]
         if self.kv_latent is None or prev + n > _width(self.kv_latent):
-            grow = ((n + self.step - 1) // self.step) * self.step
+            grow = ((max(n, self.reserved - prev) + self.step - 1) // self.step) * self.step
 
             def extend(old: Optional[mx.array], a: mx.array) -> mx.array:
                 zeros = mx.zeros((*a.shape[:2], grow, a.shape[3]), a.dtype)
@@ -183,6 +193,7 @@ class MLALatentCache(_LayerCache):
     def to_quantized(self, group_size: int = 64, bits: int = 8) -> "QuantizedMLALatentCache":
         """This cache quantized (same offset and left padding); what mlx-lm's ``maybe_quantize_kv_cache`` calls."""
         q = QuantizedMLALatentCache(self.left_padding, bits=bits, group_size=group_size)
+        q.reserved = self.reserved
         if self.kv_latent is not None:
             q.kv_latent, q.k_pe = (q._encode(p) for p in self.fetch())
         q.offset = self.offset
@@ -418,6 +429,15 @@ class HybridCache(list):
     def nbytes(self) -> int:
         """Bytes held by the layer caches and the checkpoints."""
         return sum(c.nbytes for c in self) + sum(cp.nbytes for cp in self.checkpoints)
+
+
+def reserve_cache(cache: list, n: int, max_length: Optional[int] = None) -> None:
+    """Have every MLA latent layer of ``cache`` allocate room for ``n`` positions (at most ``max_length``) at its next
+    growth, so reaching ``n`` never regrows (``MLALatentCache.reserve``)."""
+    n = n if max_length is None else min(n, max_length)
+    for c in cache:
+        if isinstance(c, MLALatentCache):
+            c.reserve(n)
 
 
 def make_cache(

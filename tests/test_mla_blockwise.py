@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 import kimi_mlx.ops.mla_attention as mla_ops
-from kimi_mlx.cache import MLALatentCache
+from kimi_mlx.cache import MLALatentCache, _width, reserve_cache
 from kimi_mlx.models.kimi_linear import attention_mask
 
 FUSED = 10**9  # a key block larger than any cache here: the fused path the layer had before blockwise attention
@@ -125,3 +125,22 @@ def test_prefill_memory_independent_of_context(kl_blocks, kv):
     short = chunk_transient_memory(kl_blocks, 4096, 512, **kv)
     long = chunk_transient_memory(kl_blocks, 32768, 512, **kv)
     assert long <= 1.25 * short, (short / 2**20, long / 2**20)
+
+
+@pytest.mark.parametrize("kv", [{}, {"kv_bits": 8, "kv_group_size": 64}], ids=["float", "kv8"])
+def test_reserved_cache_allocates_once(kl_blocks, kv):
+    """``reserve_cache(cache, n)``: the first chunk allocates room for n positions and later chunks write into that
+    buffer (no regrowth: each growth copies the filled cache, a transient of its size); logits as without it."""
+    tokens = mx.random.randint(0, kl_blocks.args.vocab_size, (1, 700), key=mx.random.key(1))
+    plain, reserved = kl_blocks.make_cache(**kv), kl_blocks.make_cache(**kv)
+    reserve_cache(reserved, 1000)
+    latent = [c for c in reserved if isinstance(c, MLALatentCache)]
+    widths, plain_widths = set(), set()
+    for start in range(0, 700, 100):
+        chunk = tokens[:, start : start + 100]
+        want, got = kl_blocks(chunk, cache=plain), kl_blocks(chunk, cache=reserved)
+        assert mx.array_equal(got, want)
+        widths.update(_width(c.kv_latent) for c in latent)
+        plain_widths.update(_width(c.kv_latent) for c in plain if isinstance(c, MLALatentCache))
+    assert widths == {1024}
+    assert plain_widths == {256, 456, 656, 856}  # without: allocated, then regrown (copied) 3 times
