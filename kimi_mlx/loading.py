@@ -15,6 +15,7 @@ from typing import Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from .config import ConfigError, KimiConfig
@@ -24,7 +25,9 @@ from .convert.gguf.reader import GGUFFile, GGUFFormatError, TensorInfo
 from .convert.gguf.tokenizer import load_gguf_tokenizer
 from .convert.hf import CheckpointError
 from .convert.writer import progress_bar
+from .layers.ggml import holds_ggml, to_ggml
 from .models.kimi_k3 import K3Model
+from .ops.ggml import FORMATS as GGML_FORMATS
 from .models.kimi_linear import Model
 from .parallel import Select, Split, check_arguments, init_group, rank_share
 from .parallel.health import agree, fingerprint
@@ -260,8 +263,11 @@ def load_gguf_model(
     """Build the model for an open GGUF (single file or split set) and load its weights.
 
     Metadata, tensor names and shapes are all checked before any weight is decoded. Quantized GGUF tensors become
-    MLX quantized layers via ``quant.to_mlx`` (exact where the block format maps exactly); tensors whose module
-    stays float (routers, norms, convs, AttnRes scores) or all of them with ``keep_quantized=False`` are decoded.
+    MLX quantized layers via ``quant.to_mlx`` where MLX has an exact layout (Q8_0, Q4_K, ...); the types it has none
+    for (Q6_K, Q3_K, Q2_K, IQ*: ``quant.GGML_BLOCKS``) keep the file's blocks in GGML-block layers
+    (``layers.ggml``, computed exactly), unless ``requantize`` re-quantizes them to MLX affine (lossy, warned).
+    Tensors whose module stays float (routers, norms, convs, AttnRes scores; MLA's per-head ``embed_q`` /
+    ``unembed_out`` for GGML-block types) or all of them with ``keep_quantized=False`` are decoded exactly.
     ``scale_dtype``: affine scales/biases in float32 (bit-exact for the exact types) or float16/bfloat16
     (compact: Q4_K 5 instead of 6 bits per weight; one warning states the error bound per type).
     Each tensor's file pages are dropped from the resident set once copied, so peak RSS ~ the model's size.
@@ -285,7 +291,7 @@ def load_gguf_model(
 
     def decode(info):
         decoded.append(info)
-        return decode_float(info, requantize)
+        return decode_float(info)
 
     def release() -> None:
         for info in decoded:
@@ -313,6 +319,7 @@ def load_gguf_model(
 
     weights: dict[str, mx.array] = {}
     qspecs: dict[str, dict] = {}
+    ggml_types: dict[str, str] = {}  # module path -> GGML type of the block weights it keeps
     inexact: dict[str, list] = {}  # GGML type -> [tensor count, max abs error] of layouts that are not bit-exact
     # the bar counts the tensors taken as stored (all but a few small ones: A_log, short convs, legacy kv_b)
     bar = progress_bar(sum(i.raw().nbytes for i in direct.values()), f"loading {Path(g.source).name}", "B", progress)
@@ -320,10 +327,16 @@ def load_gguf_model(
         bar.update(info.raw().nbytes)
         path = param.rsplit(".", 1)[0]
         module = modules.get(path)
-        if (
+        quantized = (
             keep_quantized and info.type_name not in FLOAT_TYPES and param.endswith(".weight")
             and module is not None and quantizable(path, module)
-        ):
+        )
+        if quantized and not requantize and info.type_name in GGML_FORMATS and holds_ggml(module):
+            # no MLX layout: the file's blocks, as they are ([..., rows, row_bytes] uint8), computed exactly
+            weights[param] = mx.array(np.asarray(info.raw()).reshape(*info.shape[:-1], -1))
+            ggml_types[path] = info.type_name
+            decoded.append(info)
+        elif quantized and (requantize or info.type_name not in GGML_FORMATS):
             layout = to_mlx(info.name, info.qtype, info.raw(), tuple(info.shape), requantize=requantize,
                             scale_dtype=scale_dtype)
             if not layout["exact"]:
@@ -353,6 +366,8 @@ def load_gguf_model(
         warnings.warn(f"{g.source}: not bit-exact in MLX ({detail}; scales {scale_dtype})", stacklevel=2)
     if qspecs:
         nn.quantize(model, class_predicate=lambda p, m: qspecs.get(p, False))
+    if ggml_types:
+        to_ggml(model, ggml_types)
     if select is None:
         try:
             check_weights(model, weights, g.source)
@@ -399,7 +414,8 @@ def load(
     dtype: cast float weights (e.g. ``mx.float32``); router bias, A_log, dt_bias and conv weights stay float32.
         Default: as stored on the GPU, float32 on the CPU backend.
     quantize: None, bits (int), or ``{"bits", "group_size", "mode"}`` for on-load affine quantization.
-    requantize: GGUF only: allow the lossy requantization of codebook (IQ*) tensors (an error otherwise).
+    requantize: GGUF only: re-quantize the types MLX has no layout for (Q6_K, Q3_K, Q2_K, IQ*) to MLX affine (lossy,
+        warned with the error) instead of keeping their blocks (exact, the default).
     gguf_scale_dtype: GGUF only: dtype of the affine scales/biases: float32 (bit-exact) or float16/bfloat16
         (compact; the error is warned about).
     adapter_path: a LoRA/DoRA adapter directory (``adapters.safetensors`` + ``adapter_config.json``, from

@@ -9,6 +9,7 @@ buffers on two tag lines, so the names live next to the body that uses them::
     // inputs:  x [N, D] InT ...
     // @inputs x scale
     // @outputs y
+    // @include shared.h                     (optional, repeatable: metal_kernels/shared.h goes first in the header)
     <optional helper code, passed as the kernel ``header``>
     // @body
     <the kernel body>
@@ -45,6 +46,7 @@ exit; ``keep_compile=True`` for a factory of real kernels). ``tests/metal_suppor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -79,6 +81,7 @@ class KernelFile:
     output_names: tuple[str, ...]
     header: str
     source: str
+    includes: tuple[str, ...] = ()  # metal_kernels/ files whose text goes before ``header`` (``load_kernel_file``)
 
 
 def _tag(lines: list[str], tag: str, path: str) -> tuple[str, ...]:
@@ -108,7 +111,10 @@ def parse_kernel_file(name: str, text: str, path: str) -> KernelFile:
     source = "\n".join(body).strip("\n")
     if not source:
         raise ValueError(f"{path}: empty kernel body")
-    return KernelFile(name, inputs, outputs, "\n".join(header).strip("\n"), source + "\n")
+    includes = tuple(ln.split("@include", 1)[1].strip() for ln in comment if ln.startswith("// @include"))
+    if not all(re.fullmatch(r"[A-Za-z0-9_]+\.h", f) for f in includes):
+        raise ValueError(f"{path}: '// @include' names a metal_kernels/*.h file, got {includes}")
+    return KernelFile(name, inputs, outputs, "\n".join(header).strip("\n"), source + "\n", includes)
 
 
 def load_kernel_file(name: str) -> KernelFile:
@@ -117,7 +123,14 @@ def load_kernel_file(name: str) -> KernelFile:
     res = resources.files(_PACKAGE).joinpath(f"{name}.metal")
     if not res.is_file():
         raise FileNotFoundError(f"{path}: no such kernel file in package {_PACKAGE}")
-    return parse_kernel_file(name, res.read_text(encoding="utf-8"), path)
+    f = parse_kernel_file(name, res.read_text(encoding="utf-8"), path)
+    shared = []
+    for inc in f.includes:
+        r = resources.files(_PACKAGE).joinpath(inc)
+        if not r.is_file():
+            raise FileNotFoundError(f"{path}: '// @include {inc}': no such file in package {_PACKAGE}")
+        shared.append(r.read_text(encoding="utf-8").strip("\n"))
+    return dataclasses.replace(f, header="\n\n".join([*shared, f.header]).strip("\n"))
 
 
 _files: dict[str, KernelFile] = {}
@@ -216,6 +229,7 @@ def with_reference_vjp(kernel_fn: Callable, reference_fn: Callable) -> Callable:
 
     @f.vjp
     def f_vjp(primals, cotangents, outputs):
+        primals = primals if isinstance(primals, (tuple, list)) else (primals,)  # one input arrives bare
         _, grads = mx.vjp(lambda *a: list(reference_fn(*a)), list(primals), list(cotangents))
         return tuple(grads)
 

@@ -245,10 +245,10 @@ BUGS: tuple[PlantedBug, ...] = (
         ("tests/test_lora.py::test_cli_lora_fuse_generate_demo",),
     ),
     PlantedBug(
-        "a codebook (IQ) tensor without requantize raises a bare ValueError, not GGUFQuantError",
-        (("convert/gguf/quant.py", "    if qtype in CODEBOOK and not requantize:\n        raise GGUFQuantError(",
-          "    if qtype in CODEBOOK and not requantize:\n        raise ValueError("),),
-        ("tests/test_gguf_load.py::test_codebook_experts_end_to_end",),
+        "a GGML-block (IQ, Q6_K) tensor in to_mlx without requantize raises a bare ValueError, not GGUFQuantError",
+        (("convert/gguf/quant.py", "    if qtype in GGML_BLOCKS and not requantize:\n        raise GGUFQuantError(",
+          "    if qtype in GGML_BLOCKS and not requantize:\n        raise ValueError("),),
+        ("tests/test_gguf_quant.py::test_block_types_require_requantize",),
     ),
     PlantedBug(
         "a missing local directory is looked up on the Hugging Face Hub",
@@ -259,7 +259,7 @@ BUGS: tuple[PlantedBug, ...] = (
     PlantedBug(
         "the GGUF loader skips its ggml type check (an F64 matrix reaches the decoder)",
         (("convert/gguf/arch.py",
-          "    if info.qtype not in SUPPORTED_FLOAT + SUPPORTED_EXACT + SUPPORTED_REQUANT + CODEBOOK:\n        supported",
+          "    if info.qtype not in SUPPORTED_FLOAT + SUPPORTED_EXACT + GGML_BLOCKS:\n        supported",
           "    if False:\n        supported"),),
         ("tests/test_gguf_malformed.py::test_malformed[kl-weight-as-F64]",),
     ),

@@ -15,9 +15,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from kimi_mlx.convert.gguf.quant import (
-    CODEBOOK,
+    GGML_BLOCKS,
     SUPPORTED_EXACT,
-    SUPPORTED_REQUANT,
     GGUFQuantError,
     to_mlx,
 )
@@ -338,15 +337,16 @@ def _affine4(s: np.ndarray, b: np.ndarray):
     return w, mx.array(s).astype(mx.float16), mx.array(b).astype(mx.float16)
 
 
-@pytest.mark.parametrize("qtype", SUPPORTED_REQUANT, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (T.Q6_K, T.Q3_K, T.Q2_K), ids=lambda t: t.name)
 def test_requantized_k_types(qtype):
-    """Q6_K/Q3_K/Q2_K (16-wide sub-blocks): our dequantizer matches gguf-py bit-for-bit and the MLX
+    """Q6_K/Q3_K/Q2_K (16-wide sub-blocks) with requantize=True: the encoder's values are gguf-py's and the MLX
     re-quantization is within the reported max_abs_error, which is within one quantization step."""
     shape = (2, 3, 512)
     raw, val = make(qtype, shape)
     ref = gguf.quants.dequantize(raw.reshape(*shape[:-1], -1), qtype)
     np.testing.assert_allclose(ref, val, rtol=1e-6, atol=0)
-    o = to_mlx("w", qtype, raw, shape)
+    with pytest.warns(UserWarning, match=rf"{qtype.name} re-quantized"):
+        o = to_mlx("w", qtype, raw, shape, requantize=True)
     assert o["exact"] is False and o["mode"] == "affine" and o["group_size"] == 32
     got = deq(o)
     err = float(np.max(np.abs(got - ref)))
@@ -356,17 +356,6 @@ def test_requantized_k_types(qtype):
     gerr = np.abs(got - ref).reshape(-1, 32).max(1)
     assert np.all(gerr <= step * (0.5 + 1e-4) + 1e-7 * np.abs(ref).max())
     check_matmul(o, got)
-
-
-def test_k_dequantizers_match_gguf_py_exactly():
-    """The package's own float dequantizers for Q6_K/Q3_K/Q2_K (the source of the re-quantization) are
-    bit-identical to gguf-py's dequantize on encoder-made blocks."""
-    from kimi_mlx.convert.gguf import quant as Q
-
-    for qtype, fn in Q._DEQUANT.items():
-        raw, _ = make(qtype, (4, 256), seed=7)
-        blocks = raw.reshape(4, -1)
-        np.testing.assert_array_equal(fn(blocks), gguf.quants.dequantize(blocks, qtype))
 
 
 def test_float_passthrough():
@@ -389,11 +378,12 @@ def test_float_passthrough():
     assert o["weight"].shape == (1, 5)
 
 
-def test_codebook_requires_requantize():
-    """Codebook (IQ) types raise GGUFQuantError naming tensor, type and the requantize option."""
-    for qtype in CODEBOOK:
+def test_block_types_require_requantize():
+    """The types with no MLX layout (kept as GGML blocks by the loader) raise GGUFQuantError in ``to_mlx`` naming
+    tensor, type, the blocks and the requantize option."""
+    for qtype in GGML_BLOCKS:
         block, ts = gguf.GGML_QUANT_SIZES[qtype]
-        with pytest.raises(GGUFQuantError, match=rf"blk\.3\.ffn_down.*{qtype.name}.*requantize"):
+        with pytest.raises(GGUFQuantError, match=rf"blk\.3\.ffn_down.*{qtype.name}.*GGML blocks.*requantize"):
             to_mlx("blk.3.ffn_down_exps.weight", qtype, np.zeros(ts * 2, np.uint8), (2, block))
 
 
@@ -433,6 +423,7 @@ def test_errors():
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.MXFP4, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.filterwarnings("ignore:.*re-quantized")
 def test_chunked_conversion(monkeypatch, qtype):
     """Row chunking (used to bound memory on huge stacked-expert tensors) gives the same arrays as
     converting in one piece, including a ragged last chunk."""
@@ -440,9 +431,9 @@ def test_chunked_conversion(monkeypatch, qtype):
 
     shape = (5, 3, 512)
     raw, _ = make(qtype, shape, seed=8)
-    whole = to_mlx("w", qtype, raw, shape)
+    whole = to_mlx("w", qtype, raw, shape, requantize=True)
     monkeypatch.setattr(Q, "_CHUNK_ELEMS", 512 * 4)  # 4 rows per chunk, 15 rows
-    parts = to_mlx("w", qtype, raw, shape)
+    parts = to_mlx("w", qtype, raw, shape, requantize=True)
     for k in ("weight", "scales", "biases"):
         if k in whole:
             np.testing.assert_array_equal(np.array(parts[k]), np.array(whole[k]))
@@ -455,7 +446,8 @@ def test_requantized_float16_scales():
     shape = (4, 512)
     raw, _ = make(T.Q6_K, shape, seed=9)
     ref = gguf.quants.dequantize(raw.reshape(4, -1), T.Q6_K)
-    o = to_mlx("w", T.Q6_K, raw, shape, scale_dtype=mx.float16)
+    with pytest.warns(UserWarning, match="Q6_K re-quantized"):
+        o = to_mlx("w", T.Q6_K, raw, shape, scale_dtype=mx.float16, requantize=True)
     assert o["scales"].dtype == mx.float16 and o["biases"].dtype == mx.float16
     got = np.array(mx.dequantize(o["weight"], o["scales"], o["biases"], group_size=32, bits=o["bits"])
                    .astype(mx.float32))

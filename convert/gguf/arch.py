@@ -343,10 +343,10 @@ def plan_tensors(g: GGUFFile, cfg: KimiConfig, expected: dict[str, tuple]) -> Pl
 
 def _check_type(info: TensorInfo, source: str) -> None:
     """The tensor's ggml type is one ``quant.to_mlx`` can convert (checked before any weight is read)."""
-    from .quant import CODEBOOK, SUPPORTED_EXACT, SUPPORTED_FLOAT, SUPPORTED_REQUANT
+    from .quant import GGML_BLOCKS, SUPPORTED_EXACT, SUPPORTED_FLOAT
 
-    if info.qtype not in SUPPORTED_FLOAT + SUPPORTED_EXACT + SUPPORTED_REQUANT + CODEBOOK:
-        supported = ", ".join(t.name for t in SUPPORTED_FLOAT + SUPPORTED_EXACT + SUPPORTED_REQUANT + CODEBOOK)
+    if info.qtype not in SUPPORTED_FLOAT + SUPPORTED_EXACT + GGML_BLOCKS:
+        supported = ", ".join(t.name for t in SUPPORTED_FLOAT + SUPPORTED_EXACT + GGML_BLOCKS)
         raise GGUFFormatError(f"{source}: tensor '{info.name}' has ggml type {info.type_name}, which cannot be "
                               f"loaded; expected one of {supported}")
 
@@ -368,14 +368,17 @@ def _res(plan: Plan, mix: str, info: TensorInfo, expected, src, used, unknown) -
 # ---------------------------------------------------------------------------------------------------- loading
 
 
-def decode_float(info: TensorInfo, requantize: bool = False) -> np.ndarray:
-    """Any supported GGUF tensor -> float32 numpy array in numpy shape (exact for the exactly-mapped types)."""
+def decode_float(info: TensorInfo) -> np.ndarray:
+    """Any supported GGUF tensor -> its exact float32 values as a numpy array in numpy shape (the GGML-block types by
+    gguf-py's dequantization; the others through their exact MLX layout)."""
     import mlx.core as mx
 
-    from .quant import GGUFQuantError
+    from .quant import GGML_BLOCKS, GGUFQuantError, dequantize_exact
 
     try:
-        layout = to_mlx(info.name, info.qtype, info.raw(), tuple(info.shape), requantize=requantize)
+        if info.qtype in GGML_BLOCKS:
+            return dequantize_exact(info.name, info.qtype, info.raw(), tuple(info.shape))
+        layout = to_mlx(info.name, info.qtype, info.raw(), tuple(info.shape))
     except GGUFQuantError as e:
         raise GGUFFormatError(f"{info.file}: {e}") from None
     w = layout["weight"]

@@ -33,12 +33,12 @@ Paths:
   the dtype's ulp (``bench/bench_gguf_quant_error.py`` measures the actual error).  MXFP4 scales are always uint8 (``scale_dtype`` is ignored); E8M0 0xFF
   (NaN in MLX, 2**128 in ggml) makes it inexact with a warning.
   Note ``mx.dequantize`` with uint8 mxfp4 scales returns bfloat16 unless ``dtype=mx.float32``.
-* requantized (:data:`SUPPORTED_REQUANT`): Q6_K, Q3_K, Q2_K use 16-wide sub-blocks, which MLX
-  (group sizes 32/64/128) cannot express; they are dequantized exactly (own numpy code) and
-  re-quantized (round-to-nearest min/max, error <= half a step) to affine g32 with
-  :data:`REQUANT_BITS` bits (a module-level dict; callers may change it).
-* codebook (:data:`CODEBOOK`): IQ* types; rejected unless ``requantize=True``, then dequantized with
-  ``gguf.quants.dequantize`` and re-quantized to :data:`REQUANT_BITS` bits with a warning.
+* GGML blocks (:data:`GGML_BLOCKS`): Q6_K, Q3_K, Q2_K (16-wide sub-blocks, which MLX's group sizes 32/64/128
+  cannot express) and the IQ* codebook types have no MLX layout. The loader keeps them as the file's blocks
+  (``kimi_mlx.layers.ggml``, computed exactly by ``kimi_mlx.ops.ggml``), so ``to_mlx`` refuses them unless
+  ``requantize=True``: then they are dequantized exactly (``gguf.quants.dequantize``) and re-quantized (round-to-nearest
+  min/max, error <= half a step) to affine g32 with :data:`REQUANT_BITS` bits, with a warning stating bytes and error.
+  :func:`dequantize_exact` gives their exact float32 values (for tensors whose module stays float).
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ import numpy as np
 T = gguf.GGMLQuantizationType
 
 __all__ = [
-    "CODEBOOK",
+    "GGML_BLOCKS",
     "REQUANT_BITS",
     "SUPPORTED_EXACT",
     "SUPPORTED_FLOAT",
-    "SUPPORTED_REQUANT",
     "GGUFQuantError",
+    "dequantize_exact",
     "to_mlx",
 ]
 
@@ -71,8 +71,8 @@ SUPPORTED_FLOAT: tuple[T, ...] = (T.F32, T.F16, T.BF16)
 SUPPORTED_EXACT: tuple[T, ...] = (
     T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.MXFP4, T.TQ2_0, T.TQ1_0,
 )
-SUPPORTED_REQUANT: tuple[T, ...] = (T.Q6_K, T.Q3_K, T.Q2_K)
-CODEBOOK: tuple[T, ...] = (
+GGML_BLOCKS: tuple[T, ...] = (
+    T.Q6_K, T.Q3_K, T.Q2_K,
     T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_XS, T.IQ4_NL,
 )
 
@@ -91,8 +91,9 @@ _FLOAT_NP = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}
 
 
 def _supported_list() -> str:
-    return ", ".join(t.name for t in SUPPORTED_FLOAT + SUPPORTED_EXACT + SUPPORTED_REQUANT) + (
-        "; with requantize=True also " + ", ".join(t.name for t in CODEBOOK)
+    return ", ".join(t.name for t in SUPPORTED_FLOAT + SUPPORTED_EXACT) + (
+        "; kept as GGML blocks by the loader (or with requantize=True re-quantized): "
+        + ", ".join(t.name for t in GGML_BLOCKS)
     )
 
 
@@ -248,49 +249,12 @@ _EXACT = {
     T.TQ1_0: (_tq1_0, 2, "affine"),
 }
 
-# --------------------------------------------------------------------------------------------
-# exact float dequantizers for the 16-wide K types (blocks [nb, type_size] -> float32 [nb, 256])
-
-
-def _dq_q6_k(b):
-    ql, qh = b[:, 0:128], b[:, 128:192]
-    sc = b[:, 192:208].view(np.int8).astype(np.float32)
-    d = _f16(b[:, 208:210])
-    lo = ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    lo = (lo & 0x0F).reshape(-1, 2, 4, 32)  # half, quarter, j
-    hi = qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
-    q = (lo | ((hi & 3) << 4)).reshape(-1, 16, 16).astype(np.float32) - 32.0
-    return ((d * sc)[:, :, None] * q).reshape(-1, 256)
-
-
-def _dq_q2_k(b):
-    scales, qs = b[:, 0:16], b[:, 16:80]
-    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
-    dl = (d * (scales & 0x0F).astype(np.float32))[:, :, None]
-    ml = (dmin * (scales >> 4).astype(np.float32))[:, :, None]
-    q = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    return (dl * q.reshape(-1, 16, 16).astype(np.float32) - ml).reshape(-1, 256)
-
-
-def _dq_q3_k(b):
-    hmask, qs, sc12 = b[:, 0:32], b[:, 32:96], b[:, 96:108]
-    d = _f16(b[:, 108:110])
-    lo = (sc12[:, None, 0:8] >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(-1, 16)
-    hi = (sc12[:, None, 8:12] >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(-1, 16)
-    sc = ((lo & 0x0F) | ((hi & 3) << 4)).astype(np.float32) - 32.0
-    ql = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    hb = (hmask[:, None, :] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-    q = ql.reshape(-1, 256).astype(np.float32) - 4.0 * (1 - hb.reshape(-1, 256)).astype(np.float32)
-    return ((d * sc)[:, :, None] * q.reshape(-1, 16, 16)).reshape(-1, 256)
-
-
-_DEQUANT = {T.Q6_K: _dq_q6_k, T.Q2_K: _dq_q2_k, T.Q3_K: _dq_q3_k}
-
-
-def _dq_codebook(qtype):
-    def f(b):
-        return gguf.quants.dequantize(np.ascontiguousarray(b), qtype).reshape(b.shape[0], -1).astype(np.float32)
-    return f
+def dequantize_exact(name: str, qtype: T, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A :data:`GGML_BLOCKS` tensor's exact float32 values (gguf-py's dequantization) in numpy ``shape``."""
+    try:
+        return gguf.quants.dequantize(np.ascontiguousarray(data).reshape(-1).view(np.uint8), qtype).reshape(shape)
+    except ValueError as e:
+        raise GGUFQuantError(f"tensor {name!r}: {T(qtype).name} shape {shape}: {e}") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,15 +290,15 @@ def to_mlx(name: str, qtype: gguf.GGMLQuantizationType, data: np.ndarray, shape:
     shape = tuple(int(s) for s in shape)
     if len(shape) == 0:
         shape = (1,)
-    if qtype not in SUPPORTED_FLOAT + SUPPORTED_EXACT + SUPPORTED_REQUANT + CODEBOOK:
+    if qtype not in SUPPORTED_FLOAT + SUPPORTED_EXACT + GGML_BLOCKS:
         raise GGUFQuantError(
             f"tensor {name!r}: GGML type {qtype.name} is not supported; supported: {_supported_list()}"
         )
-    if qtype in CODEBOOK and not requantize:
+    if qtype in GGML_BLOCKS and not requantize:
         raise GGUFQuantError(
-            f"tensor {name!r}: GGML type {qtype.name} is a codebook (IQ) quantization with no exact MLX "
-            f"layout; pass requantize=True to dequantize it and re-quantize to MLX affine "
-            f"{REQUANT_BITS[qtype]}-bit (lossy, larger)"
+            f"tensor {name!r}: GGML type {qtype.name} has no MLX quantized layout; the loader keeps it as GGML "
+            f"blocks (exact); pass requantize=True to dequantize it and re-quantize to MLX affine "
+            f"{REQUANT_BITS[qtype]}-bit (lossy)"
         )
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     cols = shape[-1]
@@ -368,17 +332,19 @@ def to_mlx(name: str, qtype: gguf.GGMLQuantizationType, data: np.ndarray, shape:
         return _convert_exact(name, qtype, blocks, lead, rows, cols, bpr, rows_per_chunk, scale_dtype)
 
     bits = REQUANT_BITS[qtype]
-    deq = _DEQUANT[qtype] if qtype in _DEQUANT else _dq_codebook(qtype)
+
+    def deq(b):
+        return gguf.quants.dequantize(np.ascontiguousarray(b), qtype).reshape(b.shape[0], -1)
+
     out = _requant(deq, blocks, lead, rows, cols, bpr, rows_per_chunk, bits, scale_dtype)
-    if qtype in CODEBOOK:
-        sbytes = np.dtype(np.float32 if scale_dtype == mx.float32 else np.float16).itemsize
-        new_bytes = rows * cols * bits // 8 + 2 * rows * (cols // GROUP) * sbytes
-        warnings.warn(
-            f"tensor {name!r}: {qtype.name} re-quantized to MLX affine {bits}-bit g{GROUP}: "
-            f"{expected} -> {new_bytes} bytes ({new_bytes / expected:.2f}x), "
-            f"max abs error {out['max_abs_error']:.3g} vs the GGUF dequantization",
-            stacklevel=2,
-        )
+    sbytes = np.dtype(np.float32 if scale_dtype == mx.float32 else np.float16).itemsize
+    new_bytes = rows * cols * bits // 8 + 2 * rows * (cols // GROUP) * sbytes
+    warnings.warn(
+        f"tensor {name!r}: {qtype.name} re-quantized to MLX affine {bits}-bit g{GROUP}: "
+        f"{expected} -> {new_bytes} bytes ({new_bytes / expected:.2f}x), "
+        f"max abs error {out['max_abs_error']:.3g} vs the GGUF dequantization",
+        stacklevel=2,
+    )
     return out
 
 

@@ -2,7 +2,7 @@
 (spec §1.6), with K3's latent MoE (spec §2.4).
 
 Routed experts are stacked (``switch_mlp.{gate,up,down}_proj.weight: [E, out, in]``, mlx-lm's ``SwitchGLU``
-layout, float or quantized).
+layout, float, MLX-quantized or GGML blocks: ``layers/ggml.py``).
 
 Two ways to run the routed experts, same parameters, same result:
 - few (token, slot) pairs (decode): mlx-lm's ``SwitchGLU`` (``gather_mm`` / ``gather_qmm``, one row at a time);
@@ -31,6 +31,8 @@ from mlx_lm.models.switch_layers import (
 from mlx_lm.tuner.lora import LoRASwitchLinear
 
 from ..config import KimiConfig
+from ..ops.ggml import ggml_expert_matmul
+from .ggml import GGMLSwitchLinear
 from .norm import RMSNorm
 
 
@@ -126,18 +128,20 @@ DEQUANT_MIN_ROWS = 8
 def _sortable(layer: nn.Module) -> bool:
     if type(layer) is LoRASwitchLinear:  # per-expert LoRA (training): base expert + its low-rank update
         return _sortable(layer.linear)
-    if type(layer) is SwitchLinear:
+    if type(layer) in (SwitchLinear, GGMLSwitchLinear):
         return True
     return type(layer) is QuantizedSwitchLinear and getattr(layer, "global_scale", None) is None
 
 
 def _expert_linear(layer: nn.Module, x: mx.array, e: int) -> mx.array:
-    """x [n, in] through expert ``e`` of a (Quantized)SwitchLinear stack, or of mlx-lm's ``LoRASwitchLinear``
+    """x [n, in] through expert ``e`` of a (Quantized / GGML)SwitchLinear stack, or of mlx-lm's ``LoRASwitchLinear``
     (``y + scale * (dropout(x) @ lora_a[e]^T) @ lora_b[e]^T``) -> [n, out]."""
     if type(layer) is LoRASwitchLinear:
         z = (layer.dropout(x) @ layer["lora_a"][e].T) @ layer["lora_b"][e].T
         return _expert_linear(layer.linear, x, e) + (layer.scale * z).astype(x.dtype)
-    if isinstance(layer, QuantizedSwitchLinear):
+    if type(layer) is GGMLSwitchLinear:  # the expert's blocks dequantized in bounded row chunks, then matmuls
+        y = ggml_expert_matmul(x, layer["weight"], layer.ggml_type, e)
+    elif isinstance(layer, QuantizedSwitchLinear):
         w, scales, biases = layer["weight"][e], layer["scales"][e], layer.get("biases")
         biases = None if biases is None else biases[e]
         q = dict(group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
