@@ -17,7 +17,11 @@ AttnRes (K snapshots of [T, d], default K=8, d=4096): ``attn_res_mix`` with the 
 mlx-lm's ``kimi_k3._attn_res_mix`` (its own kernel).
 MLA attention (B=1, ``--mla-heads`` heads, r=512, dr=64, dn=dv=128: a T-query causal chunk, T=1 a decode step,
 against a latent cache of ``--mla-context`` keys; T <= 512): ``mla_attention_metal`` (``mla_decode`` / ``mla_prefill``), the
-pure blockwise absorbed and expanded paths (``mla_attention`` with 2048-key blocks). Times are medians over ``--reps`` runs after warm-up, in ms;
+pure blockwise absorbed and expanded paths (``mla_attention`` with 2048-key blocks).
+GGML blocks (``--ggml-type``, default IQ2_XXS, weight ``--ggml-rows`` x ``--ggml-cols``, x [T, cols]): ``ggml_matmul``
+with the kernels (``ggml_matvec`` up to MATVEC_MAX_ROWS rows, else ``ggml_dequant`` chunks + MLX's GEMM), without
+(pure MLX), and MLX's ``quantized_matmul`` on the same weights requantized to affine 3-bit g32 (the lossy
+alternative). Times are medians over ``--reps`` runs after warm-up, in ms;
 under each row, every path's max |output - pure MLX| (the paths compute the same op).
 Without Metal (and without ``--emulator``) it says so and exits 0.
 """
@@ -181,6 +185,40 @@ def bench_mla(T, args, dtype):
             "pure expanded": lambda: pure(False)}  # fmt: skip
 
 
+def bench_ggml(T, args, dtype):
+    import warnings
+    from pathlib import Path
+
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from ggml_random import random_blocks
+
+    from kimi_mlx.convert.gguf import quant
+    from kimi_mlx.ops.ggml import ggml_matmul
+
+    name, N, K = args.ggml_type, args.ggml_rows, args.ggml_cols
+    raw = random_blocks(name, (N, K), np.random.default_rng(0))
+    blocks = mx.array(raw)
+    x = mx.random.normal((T, K), key=mx.random.key(0)).astype(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = quant.to_mlx("w", quant.T[name], raw, (N, K), requantize=True)
+    w, scales, biases = (q[k] for k in ("weight", "scales", "biases"))
+    scales, biases = scales.astype(dtype), biases.astype(dtype)
+    mx.eval(blocks, x, w, scales, biases)
+
+    def pure():
+        with metal.disabled():
+            return (ggml_matmul(x, blocks, name),)
+
+    def affine():
+        return (mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=q["group_size"], bits=q["bits"]),)
+
+    return {"kimi-mlx kernel": lambda: (ggml_matmul(x, blocks, name),), "pure MLX": pure,
+            f"affine {q['bits']}-bit": affine}  # fmt: skip
+
+
 def run(args) -> None:
     dtype = getattr(mx, args.dtype)
     sections = (
@@ -188,6 +226,7 @@ def run(args) -> None:
         ("KDA chunked prefill, prepared inputs", bench_kda_chunked, [T for T in args.T if T > RECURRENT_MAX_T]),
         ("AttnRes mix", bench_attn_res, args.T),
         (f"MLA attention against {args.mla_context} cached keys", bench_mla, [T for T in args.T if T <= 512]),
+        (f"GGML {args.ggml_type} matmul, weight {args.ggml_rows} x {args.ggml_cols}", bench_ggml, args.T),
     )
     for title, make, Ts in sections:
         print(f"\n== {title} ({args.dtype}; ms, median of {args.reps})")
@@ -216,6 +255,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mla-rank", type=int, default=512, help="MLA kv_lora_rank (latent dims)")
     ap.add_argument("--mla-rope", type=int, default=64, help="MLA qk_rope_head_dim")
     ap.add_argument("--mla-nope", type=int, default=128, help="MLA qk_nope_head_dim (= v_head_dim here)")
+    ap.add_argument("--ggml-type", default="IQ2_XXS", help="GGML block type of the GGML matmul section")
+    ap.add_argument("--ggml-rows", type=int, default=4096, help="GGML weight rows (outputs)")
+    ap.add_argument("--ggml-cols", type=int, default=7168, help="GGML weight columns (inputs; a multiple of 256)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--emulator", help="path to metal_emu: run every path once on tiny shapes (no real timings)")
@@ -229,6 +271,7 @@ def main(argv=None) -> int:
         print("metal_emu: smoke run on tiny shapes, timings are of the CPU emulator and mean nothing")
         args.T, args.H, args.D, args.K, args.d, args.reps = [1, 70], 1, 32, 2, 64, 1
         args.mla_heads, args.mla_context, args.mla_rank, args.mla_rope, args.mla_nope = 2, 40, 64, 32, 32
+        args.ggml_rows, args.ggml_cols = 40, 512
         ctx = metal.emulated(metal_emu.metal_kernel)
     elif not (mx.metal.is_available() and mx.default_device() == mx.gpu):
         print("bench/kernels.py: no Metal GPU here (the kernels only run on Apple silicon); nothing to time.")
