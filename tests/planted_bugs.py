@@ -370,6 +370,54 @@ BUGS: tuple[PlantedBug, ...] = (
           "        finally:\n"),),
         ("tests/test_server_api.py::test_disconnect_stops_the_generation",),
     ),
+    PlantedBug(
+        "GGUF: block types (IQ*, Q6_K) are decoded to float instead of kept as blocks",
+        (("kimi_mlx/loading.py",
+          "        if quantized and not requantize and info.type_name in GGML_FORMATS and holds_ggml(module):",
+          "        if quantized and requantize and info.type_name in GGML_FORMATS and holds_ggml(module):"),),
+        ("tests/test_gguf_native.py::test_native_blocks_match_their_f32_twin",),
+    ),
+    PlantedBug(
+        "ggml: IQ1 weights shifted by +delta whatever the block's delta sign",
+        (("kimi_mlx/ops/ggml/dequant.py", "    return dl * (_grid(name, idx) + delta)",
+          "    return dl * (_grid(name, idx) + mx.abs(delta))"),),
+        ("tests/test_ggml_blocks.py::test_dequantize_bitwise",),
+    ),
+    PlantedBug(
+        "ggml: the gathered matmul multiplies every pair by the first selected expert",
+        (("kimi_mlx/ops/ggml/matmul.py", "(_after(blocks[sel[p0:p1]], outs[-1] if outs else None), name)",
+          "(_after(blocks[sel[p0:p1] * 0 + sel[0]], outs[-1] if outs else None), name)"),),
+        ("tests/test_ggml_blocks.py::test_gather_matmul", "tests/test_gguf_native.py::test_native_blocks_match_their_f32_twin"),
+    ),
+    PlantedBug(
+        "ggml: chunked matmul drops the last chunk of rows",
+        (("kimi_mlx/ops/ggml/matmul.py", "    return [(i, min(i + step, n)) for i in range(0, n, step)]",
+          "    return [(i, min(i + step, n)) for i in range(0, max(n - step, 1), step)]"),),
+        ("tests/test_ggml_blocks.py::test_matmul_chunked",),
+    ),
+    PlantedBug(
+        "ggml: the sorted MoE prefill runs every expert's rows through expert 0",
+        (("kimi_mlx/layers/moe.py", 'y = ggml_expert_matmul(x, layer["weight"], layer.ggml_type, e)',
+          'y = ggml_expert_matmul(x, layer["weight"], layer.ggml_type, 0)'),),
+        ("tests/test_gguf_native.py::test_native_blocks_match_their_f32_twin",),
+    ),
+    PlantedBug(
+        "ggml Metal: the mat-vec kernel keeps lane 0's partial sum (no simd_sum)",
+        (("metal_kernels/ggml_matvec.metal", "acc = simd_sum(acc);", "acc = acc;"),),
+        ("tests/test_metal_ggml.py::test_matvec_plain_and_gathered",),
+    ),
+    PlantedBug(
+        "latent cache: reserve() is ignored, a long prefill regrows the cache by copying",
+        (("kimi_mlx/cache.py", "grow = ((max(n, self.reserved - prev) + self.step - 1) // self.step) * self.step",
+          "grow = ((n + self.step - 1) // self.step) * self.step"),),
+        ("tests/test_mla_blockwise.py::test_reserved_cache_allocates_once",),
+    ),
+    PlantedBug(
+        "left-padded MLA mask hides each row's first real token",
+        (("kimi_mlx/ops/mla_attention.py", "real_key = k_pos[None, None, :] >= self.left_padding[:, None, None]",
+          "real_key = k_pos[None, None, :] > self.left_padding[:, None, None]"),),
+        ("tests/test_mla_blockwise.py", "tests/test_cache_merge.py"),
+    ),
 )
 
 
