@@ -9,7 +9,10 @@ Linear) ``mlx_lm.load`` read back:
 - Kimi-K3 in mlx-lm's kimi_k3 layout: ``qkv_conv.conv.weight [3C, K, 1]``, ``*_res_{norm,proj}``, and the KDA
   q/k/v projections fused into ``qkv_proj`` when they match (our loader reads both);
 - quantized modules as ``.weight`` / ``.scales`` / ``.biases`` with mlx-lm's ``"quantization"`` entry
-  (``group_size``, ``bits``, ``mode`` and per-module overrides) in ``config.json``.
+  (``group_size``, ``bits``, ``mode`` and per-module overrides) in ``config.json``;
+- GGML-block modules (GGUF types MLX has no layout for) as their uint8 ``.weight`` ``[..., rows, row_bytes]`` (the
+  GGUF's bytes) with a per-module ``{"ggml_type": name}`` override in the same entry (kimi-mlx reads it, mlx-lm
+  does not); K3's fused ``qkv_proj`` concatenates block rows like any other weight and carries the override.
 """
 
 from __future__ import annotations

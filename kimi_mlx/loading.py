@@ -2,7 +2,9 @@
 
 Reads an HF-style directory (``config.json``, ``model.safetensors`` or sharded safetensors with an index,
 ``tiktoken.model`` + ``tokenizer_config.json``) in Moonshot's original key layout or in mlx-lm's converted /
-quantized layout, checks every tensor against the model before loading, and optionally quantizes on load.
+quantized layout (plus GGML-block modules, ``{"ggml_type": ...}`` in its ``quantization`` entry, as ``kimi-mlx
+convert`` writes GGUF types MLX has no layout for), checks every tensor against the model before loading, and
+optionally quantizes on load.
 """
 
 from __future__ import annotations
@@ -140,10 +142,19 @@ def _quantization_spec(quantize) -> Optional[dict]:
 
 
 def checkpoint_quantization(raw: dict, source: str) -> Optional[dict]:
-    """How the checkpoint stores quantized modules: mlx-lm's ``quantization`` dict (with per-path overrides), or
-    compressed-tensors ``mxfp4-pack-quantized`` (K3's routed experts) as MLX mxfp4 (group 32, 4 bits)."""
+    """How the checkpoint stores quantized modules: mlx-lm's ``quantization`` dict (with per-path overrides; a
+    ``{"ggml_type": name}`` override marks a module kept in GGML blocks, as ``kimi-mlx convert`` writes GGUF types
+    MLX has no layout for), or compressed-tensors ``mxfp4-pack-quantized`` (K3's routed experts) as MLX mxfp4
+    (group 32, 4 bits)."""
     if raw.get("quantization"):
-        return raw["quantization"]
+        entry = raw["quantization"]
+        for path, name in ggml_overrides(entry).items():
+            if name not in GGML_FORMATS:
+                raise CheckpointError(
+                    f"{source}: quantization entry {path!r}: ggml_type {name!r} is not a GGML block type kimi-mlx "
+                    f"computes; expected one of {', '.join(GGML_FORMATS)}"
+                )
+        return entry
     qc = raw.get("quantization_config")
     if not qc:
         return None
@@ -156,11 +167,40 @@ def checkpoint_quantization(raw: dict, source: str) -> Optional[dict]:
     )
 
 
-def _apply_checkpoint_quantization(model: nn.Module, weights: dict, qconfig: dict) -> None:
-    """Turn the modules that the checkpoint stores quantized into quantized ones (``*.scales`` present)."""
+def ggml_overrides(qconfig: dict) -> dict[str, str]:
+    """Module path -> GGML type name of a ``quantization`` dict's ``{"ggml_type": name}`` overrides."""
+    return {p: v["ggml_type"] for p, v in qconfig.items() if isinstance(v, dict) and "ggml_type" in v}
+
+
+def _to_ggml_checked(model: nn.Module, weights: dict, types: dict[str, str], source: str) -> None:
+    """``to_ggml`` for the modules the checkpoint keeps in GGML blocks; each one's stored weight must be uint8 of the
+    block layer's shape ([..., rows, row_bytes] for the module's input width), else CheckpointError naming it."""
+    try:
+        to_ggml(model, types)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{source}: GGML-block module: {e}") from None
+    modules = dict(model.named_modules())
+    for path, name in sorted(types.items()):
+        stored, want = weights.get(f"{path}.weight"), modules[path]["weight"]
+        if stored is not None and (stored.dtype != mx.uint8 or stored.shape != want.shape):
+            fmt = GGML_FORMATS[name]
+            cols = want.shape[-1] // fmt.type_bytes * fmt.block_elems
+            raise CheckpointError(
+                f"{source}: tensor {path}.weight: {name} blocks of {cols}-wide rows ({want.shape[-1]} bytes per row) "
+                f"expected as uint8 {tuple(want.shape)}, found {str(stored.dtype).rpartition('.')[2]} "
+                f"{tuple(stored.shape)}"
+            )
+
+
+def _apply_checkpoint_quantization(model: nn.Module, weights: dict, qconfig: dict, source: str) -> None:
+    """Turn the modules that the checkpoint stores quantized into quantized ones (``*.scales`` present) and those it
+    keeps in GGML blocks (``{"ggml_type": ...}`` overrides) into GGML-block layers."""
+    ggml = ggml_overrides(qconfig)
+    if ggml:
+        _to_ggml_checked(model, weights, ggml, source)
 
     def predicate(path: str, module: nn.Module):
-        if f"{path}.scales" not in weights:
+        if path in ggml or f"{path}.scales" not in weights:
             return False
         override = qconfig.get(path)
         return override if isinstance(override, dict) else True
@@ -200,7 +240,7 @@ def load_model(
     model = (K3Model if cfg.is_k3 else Model)(cfg, fused_qkv=fused_qkv)
     weights = model.sanitize(weights)
     if qconfig:
-        _apply_checkpoint_quantization(model, weights, qconfig)
+        _apply_checkpoint_quantization(model, weights, qconfig, source)
     check_weights(model, weights, source)
     if dtype is None and mx.default_device() == mx.cpu:
         dtype = mx.float32  # MLX's CPU backend runs float32 fastest, and its gather_mm (experts) is float32-only

@@ -1,7 +1,10 @@
 """``kimi-mlx convert``: GGUF / HF directory / HF repo id / demo -> an MLX model directory.
 
 The output (safetensors shards <= 5 GB + index, ``config.json``, tokenizer files) reloads with ``kimi_mlx.load`` to
-the same logits and token ids; Kimi Linear output is in mlx-lm's converted layout, so ``mlx_lm.load`` reads it too.
+the same logits and token ids; Kimi Linear output is in mlx-lm's converted layout, so ``mlx_lm.load`` reads it too,
+unless it keeps GGML blocks: GGUF tensors in types MLX has no layout for (IQ*, Q6_K, Q3_K, Q2_K) are written as they
+are (uint8 ``[..., rows, row_bytes]``, the GGUF's bytes) with a ``{"ggml_type": ...}`` override in ``quantization``
+(``--requantize``: MLX affine instead, lossy).
 """
 
 from __future__ import annotations
@@ -35,13 +38,15 @@ def add_parser(commands) -> None:
                    help="GGUF file (any shard of a split set), model directory, HF repo id, or 'demo'")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must be absent or empty)")
     p.add_argument("--quantize", type=int, default=None, metavar="BITS",
-                   help="quantize before writing (affine; 2, 3, 4, 5, 6 or 8 bits); routers and norms stay float")
+                   help="quantize the float layers before writing (affine; 2, 3, 4, 5, 6 or 8 bits); routers and "
+                        "norms stay float, layers the source already quantizes (GGML blocks included) are kept")
     p.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128))
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="cast float weights (default: the source's main float type; A_log, dt_bias, convs and the "
                         "router bias stay float32)")
     p.add_argument("--requantize", action="store_true",
-                   help="GGUF: allow the lossy requantization of codebook (IQ*) tensors")
+                   help="GGUF: write the types MLX has no layout for (IQ*, Q6_K, Q3_K, Q2_K) as MLX affine (lossy; "
+                        "mlx-lm reads the output) instead of their GGML blocks as they are (exact; kimi-mlx only)")
     p.add_argument("--gguf-scales", choices=("float32", "float16", "bfloat16"), default="float32",
                    help="GGUF: dtype of the affine scales/biases (float32: bit-exact; float16/bfloat16: compact, "
                         "Q4_K/Q5_K 1 bit per weight smaller, error warned about)")
@@ -53,19 +58,41 @@ def add_parser(commands) -> None:
 
 def quantization_entry(model) -> dict | None:
     """mlx-lm's ``quantization`` dict for the quantized modules of ``model``: the most common
-    (group_size, bits, mode) as the default, every module that differs as a per-path override."""
-    specs = {}
+    (group_size, bits, mode) as the default, every module that differs as a per-path override; GGML-block layers
+    as ``{"ggml_type": name}`` overrides (no default when nothing is MLX-quantized)."""
+    from ..layers.ggml import ggml_type_of
+
+    specs, overrides = {}, {}
     for path, module in model.named_modules():
-        if hasattr(module, "scales") and hasattr(module, "bits") and hasattr(module, "group_size"):
+        if (ggml_type := ggml_type_of(module)) is not None:
+            overrides[path] = {"ggml_type": ggml_type}
+        elif hasattr(module, "scales") and hasattr(module, "bits") and hasattr(module, "group_size"):
             specs[path] = (module.group_size, module.bits, getattr(module, "mode", "affine"))
-    if not specs:
+    entry: dict = {}
+    if specs:
+        default = Counter(specs.values()).most_common(1)[0][0]
+        entry = {"group_size": default[0], "bits": default[1], "mode": default[2]}
+        overrides.update({path: {"group_size": spec[0], "bits": spec[1], "mode": spec[2]}
+                          for path, spec in specs.items() if spec != default})
+    entry.update(sorted(overrides.items()))
+    return entry or None
+
+
+def ggml_note(quantization: dict | None, quantize: int | None = None) -> str | None:
+    """What to tell the user about a directory whose ``quantization`` entry keeps GGML blocks (None if it keeps
+    none)."""
+    from ..loading import ggml_overrides
+
+    types = Counter(ggml_overrides(quantization or {}).values())
+    if not types:
         return None
-    default = Counter(specs.values()).most_common(1)[0][0]
-    entry: dict = {"group_size": default[0], "bits": default[1], "mode": default[2]}
-    for path, spec in sorted(specs.items()):
-        if spec != default:
-            entry[path] = {"group_size": spec[0], "bits": spec[1], "mode": spec[2]}
-    return entry
+    held = ", ".join(f"{n} x {t}" for t, n in sorted(types.items()))
+    note = (f"note: {sum(types.values())} layers keep the GGUF's GGML blocks as they are ({held}; exact, computed by "
+            "kimi-mlx). kimi_mlx.load reads this directory, mlx-lm cannot; converting the GGUF with --requantize "
+            "writes those layers as MLX affine instead (lossy; mlx-lm reads that).")
+    if quantize is not None:
+        note += f" --quantize {quantize} applied to the float layers only (the GGML blocks are kept)."
+    return note
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -75,8 +102,9 @@ def _check_out(out: Path, force: bool) -> None:
         raise ConvertError(f"--out {out}: directory exists and is not empty (pass --force to write into it)")
 
 
-def _load_source(args, dtype):
-    """(model, cfg, source config.json dict or None, tokenizer files, the source's main float dtype or None)."""
+def _load_source(src: str, dtype, requantize: bool = False, scale_dtype=mx.float32, progress: bool = False):
+    """(model, cfg, source config.json dict or None, tokenizer files, the source's main float dtype or None) for a
+    GGUF (``requantize``, ``scale_dtype``: see ``load_gguf_model``), a model directory, an HF repo id or 'demo'."""
     from ..convert.writer import TOKENIZER_FILES, tiktoken_file_text, tokenizer_config
     from ..loading import (
         ModelNotFoundError,
@@ -85,7 +113,6 @@ def _load_source(args, dtype):
         resolve_model_path,
     )
 
-    src = args.model
     if str(src).endswith(".gguf"):
         from ..convert.gguf.reader import GGUFFile
         from ..convert.gguf.tokenizer import load_gguf_tokenizer
@@ -100,8 +127,7 @@ def _load_source(args, dtype):
         stored = {"F16": mx.float16, "BF16": mx.bfloat16, "F32": mx.float32}.get(sizes.most_common(1)[0][0])
         wrapper = load_gguf_tokenizer(g)
         tok = wrapper._tokenizer
-        model, cfg = load_gguf_model(g, dtype=dtype, requantize=args.requantize, scale_dtype=DTYPES[args.gguf_scales],
-                                     progress=not args.quiet)
+        model, cfg = load_gguf_model(g, dtype=dtype, requantize=requantize, scale_dtype=scale_dtype, progress=progress)
         ranks = {tok.token_bytes(i): i for i in range(tok.n_ranks)}
         files = {
             "tiktoken.model": tiktoken_file_text(ranks),
@@ -158,7 +184,8 @@ def convert(args: argparse.Namespace) -> Path:
     if args.quantize is not None:
         spec = _quantization_spec({"bits": args.quantize, "group_size": args.q_group_size})
     dtype = DTYPES.get(args.dtype)
-    model, cfg, base, files, stored = _load_source(args, dtype)
+    model, cfg, base, files, stored = _load_source(args.model, dtype, args.requantize, DTYPES[args.gguf_scales],
+                                                   progress=not args.quiet)
     if dtype is None and stored is not None:
         shrink_to(model, stored)
     if spec is not None:
@@ -171,6 +198,9 @@ def convert(args: argparse.Namespace) -> Path:
     config = hf_config(cfg, quantization=quantization, base=base, torch_dtype=torch_dtype)
     write_model_dir(out, weights, config, files, max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
                     progress=not args.quiet)
+    note = ggml_note(quantization, args.quantize)
+    if note:
+        print(note, file=sys.stderr)
     return out
 
 

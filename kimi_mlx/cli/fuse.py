@@ -1,8 +1,11 @@
 """``kimi-mlx fuse``: merge LoRA/DoRA adapters into the base model and write an MLX model directory.
 
-    kimi-mlx fuse --model DIR --adapter-path adapters --save-path fused_model [--dequantize]
+    kimi-mlx fuse --model DIR|FILE.gguf --adapter-path adapters --save-path fused_model [--dequantize]
 
-A quantized base is re-quantized to its own layout after merging (``--dequantize`` writes float weights instead).
+A quantized base is re-quantized to its own layout after merging (``--dequantize`` writes float weights instead). A
+GGML-block base (GGUF types MLX has no layout for, kept as blocks) has no exact re-encoding: each projection with an
+adapter becomes float32 (its exact dequantization + the update), the others keep their blocks (``--dequantize``:
+float32 too).
 The output is written like ``kimi-mlx convert`` (mlx-lm's key layout, ``config.json`` with the ``quantization``
 entry, the base's tokenizer files) and loads with ``kimi_mlx.load``.
 """
@@ -23,7 +26,7 @@ def add_parser(commands) -> None:
         description="Merge LoRA/DoRA adapters (from kimi-mlx lora or mlx_lm.lora) into a Kimi Linear / Kimi-K3 "
         "model and write an MLX model directory.",
     )
-    p.add_argument("--model", required=True, help="base model directory, HF repo id, or 'demo'")
+    p.add_argument("--model", required=True, help="base model directory, HF repo id, 'demo', or a GGUF")
     p.add_argument(
         "--adapter-path", default="adapters", help="directory with adapters.safetensors + adapter_config.json"
     )
@@ -43,26 +46,24 @@ def add_parser(commands) -> None:
 def fuse_model(
     model_src: str, adapter_path: str, save_path: str, dequantize: bool = False, force: bool = False, dtype=None
 ) -> Path:
-    """Load ``model_src`` (float weights in ``dtype``, see ``kimi_mlx.load``), apply and fuse the adapters, write
-    the MLX model directory; returns it."""
+    """Load ``model_src`` (a model directory, HF repo id, 'demo' or a GGUF; float weights in ``dtype``, see
+    ``kimi_mlx.load``), apply and fuse the adapters, write the MLX model directory; returns it."""
     from collections import Counter
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from ..convert.writer import TOKENIZER_FILES, hf_config, to_mlx_lm_layout, write_model_dir
-    from ..loading import _read_config, load_model, resolve_model_path
-    from ..tuner.adapters import dequantize_all, fuse_adapters, load_adapters
-    from .convert import DTYPE_NAMES, ConvertError, _check_out, quantization_entry
+    from ..convert.writer import hf_config, to_mlx_lm_layout, write_model_dir
+    from ..layers.ggml import ggml_type_of
+    from ..tuner.adapters import ADAPTER_TYPES, dequantize_all, fuse_adapters, load_adapters
+    from .convert import DTYPE_NAMES, _check_out, _load_source, ggml_note, quantization_entry
 
     out = Path(save_path).expanduser()
     _check_out(out, force)
-    path = resolve_model_path(model_src)
-    if not (path / "config.json").exists():
-        raise ConvertError(f"--model {model_src}: {path} has no config.json (expected a model directory)")
-    base = _read_config(path)
-    model, cfg = load_model(path, dtype=dtype)
+    model, cfg, base, files, _ = _load_source(model_src, dtype)
     config = load_adapters(model, adapter_path)
+    on_blocks = sum(isinstance(m, ADAPTER_TYPES) and ggml_type_of(m.linear) is not None
+                    for _, m in model.named_modules())
     n = fuse_adapters(model, dequantize=dequantize)
     if dequantize:
         model = dequantize_all(model)
@@ -71,7 +72,6 @@ def fuse_model(
     weights, quantization = to_mlx_lm_layout(params, cfg, quantization_entry(model))
     floats = Counter(v.dtype for v in params.values() if mx.issubdtype(v.dtype, mx.floating))
     torch_dtype = DTYPE_NAMES.get(floats.most_common(1)[0][0]) if floats else None
-    files = {name: path / name for name in TOKENIZER_FILES if (path / name).is_file()}
     write_model_dir(
         out,
         weights,
@@ -83,6 +83,12 @@ def fuse_model(
         f"Fused {n} {config.get('fine_tune_type', 'lora')} adapters from {adapter_path} into {out} "
         f"({torch_dtype}{', quantized layout kept' if quantization else ''})"
     )
+    if on_blocks:
+        print(f"note: {on_blocks} of them were on GGML-block projections, written as float32 (the blocks' exact "
+              "dequantization + the adapter; there is no exact re-encoding into GGML blocks)")
+    note = ggml_note(quantization)
+    if note:
+        print(note)
     return out
 
 

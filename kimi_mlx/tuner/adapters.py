@@ -9,6 +9,10 @@ The module selection is ours rather than mlx-lm's ``linear_to_lora_layers``: mlx
 inside a layer, which cannot tell a KDA ``q_proj`` from an MLA one (both are ``self_attn.q_proj``), so here every
 projection belongs to a named group (``PROJECTION_GROUPS``) decided by the layer's type. Loading wraps exactly the
 modules the adapter file names (whatever tool wrote it) and checks every tensor's name and shape first.
+
+A GGML-block base (``layers.ggml``: IQ*, Q6_K, ... kept as the GGUF's blocks) trains like a quantized one (QLoRA): the
+blocks stay frozen and byte-for-byte unchanged, the float adapters train beside them. Fusing into such a base gives
+float32 layers (the exact dequantization plus the update): there is no exact re-encoding into GGML blocks.
 """
 
 from __future__ import annotations
@@ -25,11 +29,14 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear, LoRASwitchLinear
 
+from ..layers.ggml import GGML_LAYERS, GGMLLinear, GGMLSwitchLinear, ggml_type_of
+from ..ops.ggml import dequantize as ggml_dequantize
+
 ADAPTER_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
 ADAPTER_LEAVES = ("lora_a", "lora_b", "m")
-LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear)
-SWITCH_TYPES = (SwitchLinear, QuantizedSwitchLinear)
+LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear, GGMLLinear)
+SWITCH_TYPES = (SwitchLinear, QuantizedSwitchLinear, GGMLSwitchLinear)
 ADAPTER_TYPES = (LoRALinear, DoRALinear, LoRASwitchLinear)
 
 # Projection groups, by the path of the module inside a decoder layer. KDA and MLA layers are told apart by the
@@ -118,6 +125,13 @@ def _wrap(module: nn.Module, path: str, fine_tune_type: str, rank: int, scale: f
                 f"{path}: DoRA has no per-expert form (mlx-lm's neither); leave out the 'experts' group or use LoRA"
             )
         return LoRASwitchLinear.from_base(module, r=rank, scale=scale, dropout=dropout)
+    if isinstance(module, GGMLLinear):  # mlx-lm's from_base would read the block bytes per row as the input width
+        if fine_tune_type == "dora":
+            raise ValueError(f"{path}: DoRA rescales by the norms of the dense weight, which a GGML-block "
+                             f"({module.ggml_type}) base does not hold; use LoRA on it")
+        lora = LoRALinear(module.input_dims, module.output_dims, r=rank, dropout=dropout, scale=scale)
+        lora.linear = module
+        return lora
     cls = DoRALinear if fine_tune_type == "dora" else LoRALinear
     return cls.from_base(module, r=rank, scale=scale, dropout=dropout)
 
@@ -313,13 +327,39 @@ def load_adapters(model: nn.Module, adapter_dir: Union[str, Path], file_name: st
     return config
 
 
+def _float_twin(module: nn.Module) -> nn.Module:
+    """A GGML-block layer as nn.Linear / SwitchLinear / nn.Embedding holding its exact dequantization (float32
+    ``[out, in]`` / ``[E, out, in]`` / ``[vocab, dims]``) and its bias."""
+    w = ggml_dequantize(module["weight"], module.ggml_type)
+    bias = "bias" in module
+    if isinstance(module, GGMLSwitchLinear):
+        dense = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias=bias)
+    elif isinstance(module, GGMLLinear):
+        dense = nn.Linear(w.shape[1], w.shape[0], bias=bias)
+    else:
+        dense = nn.Embedding(*w.shape)
+    dense.weight = w
+    if bias:
+        dense.bias = module["bias"]
+    return dense
+
+
+def _fused(adapter: nn.Module, dequantize: bool) -> nn.Module:
+    """mlx-lm's ``fuse`` of one adapter; over a GGML-block base, into its exact float32 weights (the result is a
+    float layer whatever ``dequantize``: there is no exact re-encoding into GGML blocks)."""
+    if ggml_type_of(adapter.linear) is not None:
+        adapter.linear = _float_twin(adapter.linear)
+    return adapter.fuse(dequantize=dequantize)
+
+
 def fuse_adapters(model: nn.Module, dequantize: bool = False) -> int:
     """Merge every adapter into its base projection (``W + scale * B A``, DoRA's magnitude rescale), in place.
 
     A quantized base is dequantized, merged and re-quantized with its own group size / bits / mode (mlx-lm's
-    ``fuse``), unless ``dequantize``. Returns how many adapters were fused.
+    ``fuse``), unless ``dequantize``. A GGML-block base becomes float32 (its exact dequantization + the update).
+    Returns how many adapters were fused.
     """
-    fused = [(path, m.fuse(dequantize=dequantize)) for path, m in model.named_modules() if isinstance(m, ADAPTER_TYPES)]
+    fused = [(path, _fused(m, dequantize)) for path, m in model.named_modules() if isinstance(m, ADAPTER_TYPES)]
     if fused:
         model.update_modules(tree_unflatten(fused))
     return len(fused)
@@ -328,18 +368,20 @@ def fuse_adapters(model: nn.Module, dequantize: bool = False) -> int:
 def dequantize_all(model: nn.Module) -> nn.Module:
     """Replace every quantized module by its float form, in place: mlx-lm's ``dequantize_model`` (Linear,
     Embedding, SwitchLinear) plus the MLA ``QuantizedMultiLinear`` heads (``embed_q`` / ``unembed_out``), which it
-    leaves quantized."""
+    leaves quantized, and the GGML-block layers (exactly dequantized, float32)."""
     from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
     from mlx_lm.utils import dequantize_model
 
     model = dequantize_model(model)
-    heads = []
+    dense = []
     for path, m in model.named_modules():
         if isinstance(m, QuantizedMultiLinear):
             w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode)
-            dense = MultiLinear(w.shape[2], w.shape[1], w.shape[0])
-            dense.weight = w
-            heads.append((path, dense))
-    if heads:
-        model.update_modules(tree_unflatten(heads))
+            head = MultiLinear(w.shape[2], w.shape[1], w.shape[0])
+            head.weight = w
+            dense.append((path, head))
+        elif isinstance(m, GGML_LAYERS):
+            dense.append((path, _float_twin(m)))
+    if dense:
+        model.update_modules(tree_unflatten(dense))
     return model
