@@ -419,7 +419,7 @@ def load_gguf_model(
     return model, cfg
 
 
-def _gguf_layer_bytes(g: GGUFFile, dtype, quantize, scale_dtype) -> list[int]:
+def _gguf_layer_bytes(g: GGUFFile, dtype, quantize, scale_dtype, requantize: bool) -> list[int]:
     """Bytes of each decoder layer of a GGUF as ``load`` will hold it (from the header: what ``kimi-mlx plan``
     counts, so a memory-proportional pipeline split is the one it predicts)."""
     from .parallel.plan import QuantSpec, account_gguf
@@ -427,7 +427,7 @@ def _gguf_layer_bytes(g: GGUFFile, dtype, quantize, scale_dtype) -> list[int]:
     spec = _quantization_spec(quantize)
     names = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
     return account_gguf(g, dtype=names.get(dtype), quantize=spec and QuantSpec(**spec),
-                        scale_dtype=names[scale_dtype]).layer_bytes()
+                        scale_dtype=names[scale_dtype], requantize=requantize).layer_bytes()
 
 
 def _read_config(path: Path) -> dict:
@@ -481,7 +481,7 @@ def load(
             gguf_file = GGUFFile(Path(path_or_hf_id).expanduser())
             tokenizer = load_gguf_tokenizer(gguf_file)  # validates the tokenizer metadata before any weight is read
             cfg = build_config(gguf_file)
-            costs = _gguf_layer_bytes(gguf_file, dtype, quantize, gguf_scale_dtype) if parallel == "pipeline" else []
+            costs = _gguf_layer_bytes(gguf_file, dtype, quantize, gguf_scale_dtype, requantize) if parallel == "pipeline" else []
             step.fingerprint = fingerprint(gguf_file.values, [(n, i.shape, i.type_name) for n, i in
                                                               gguf_file.tensors.items()], gguf_file.files)
         share = rank_share(parallel, group, split, cfg, costs)

@@ -77,7 +77,10 @@ def add_parser(commands) -> None:
                    help="routed experts held as MXFP4 (as released Kimi-K3; implied by its quantization_config)")
     p.add_argument("--gguf-scales", choices=("float32", "float16", "bfloat16"), default="float32",
                    help="GGUF: dtype of the affine scales/biases (as load's gguf_scale_dtype)")
-    p.add_argument("--requantize", action="store_true", help="GGUF: plan codebook (IQ*) tensors requantized")
+    p.add_argument("--requantize", action="store_true",
+                   help="GGUF: plan the types MLX has no layout for (Q6_K, Q3_K, Q2_K, IQ*) re-quantized to MLX "
+                   "affine, as load's requantize=True (default: held as the file's GGML blocks, split on whole "
+                   "blocks)")
     p.add_argument("--prefill-step-size", type=int, default=2048, metavar="N", help="prompt tokens per prefill chunk")
     p.set_defaults(run=run)
 

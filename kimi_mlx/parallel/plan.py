@@ -433,7 +433,9 @@ def _torch_dtype(raw: dict) -> str:
 
 def _mlx_quantized(entry: dict, params: list[Param], scale_bytes: int, names: Optional[set[str]],
                    source: str) -> dict[str, Stored]:
-    """Parameters an mlx-lm ``quantization`` entry ({group_size, bits, mode, per-module overrides}) covers."""
+    """Parameters an mlx-lm ``quantization`` entry ({group_size, bits, mode, per-module overrides}) covers; a
+    ``{"ggml_type": name}`` override is a module kept in GGML blocks (``kimi-mlx convert`` of a GGUF), and an entry
+    without ``bits`` (only such overrides) quantizes nothing else."""
     default = QuantSpec(entry.get("bits", 4), entry.get("group_size", 64), entry.get("mode", "affine"))
     out = {}
     for p in params:
@@ -442,11 +444,14 @@ def _mlx_quantized(entry: dict, params: list[Param], scale_bytes: int, names: Op
         module = p.name[: -len(".weight")]
         fused = re.sub(r"\.self_attn\.[qkv]_proj$", ".self_attn.qkv_proj", module)  # K3 checkpoints fuse KDA q/k/v
         override = entry.get(module, entry.get(fused))
+        if isinstance(override, dict) and "ggml_type" in override:
+            out[p.name] = _ggml_blocks(override["ggml_type"], p)
+            continue
         if names is not None:
             quantized = f"{module}.scales" in names or f"{fused}.scales" in names
         else:
-            quantized = isinstance(override, dict) or (
-                override is not False and p.kind == "matrix" and p.shape[-1] % default.group_size == 0)
+            quantized = isinstance(override, dict) or ("bits" in entry and override is not False
+                                                       and p.kind == "matrix" and p.shape[-1] % default.group_size == 0)
         if not quantized:
             continue
         spec = default
@@ -457,6 +462,14 @@ def _mlx_quantized(entry: dict, params: list[Param], scale_bytes: int, names: Op
             raise ValueError(f"{source}: quantization of {module} has mode {spec.mode!r}; expected 'affine' or 'mxfp4'")
         out[p.name] = Stored(spec.nbytes(p.shape, scale_bytes), spec.group_size, spec.label)
     return out
+
+
+def _ggml_blocks(type_name: str, p: Param) -> Stored:
+    """``p`` held as GGML blocks of ``type_name`` (``layers.ggml``): the GGUF's bytes, cut on whole blocks."""
+    from ..ops.ggml import get_format
+
+    fmt = get_format(type_name)
+    return Stored(p.numel // fmt.block_elems * fmt.type_bytes, fmt.block_elems, f"{type_name} blocks")
 
 
 def checkpoint_tensor_names(path: Path) -> Optional[set[str]]:
@@ -483,53 +496,59 @@ def checkpoint_tensor_names(path: Path) -> Optional[set[str]]:
 
 
 def account_gguf(path, dtype: Optional[str] = None, quantize: Optional[QuantSpec] = None,
-                 scale_dtype: str = "float32", requantize: bool = True) -> Accounting:
+                 scale_dtype: str = "float32", requantize: bool = False) -> Accounting:
     """Bytes as ``load`` holds a GGUF file or split set, from its header only (no tensor data is read).
 
     Quantized tensors of quantizable modules become the MLX layout ``quant.to_mlx`` makes of their GGML type (e.g.
-    Q8_0 -> affine 8-bit g32, Q4_K -> affine 4-bit g32, with ``scale_dtype`` scales and biases; MXFP4 -> mxfp4;
-    Q6_K/Q3_K/Q2_K and, with ``requantize``, IQ* types re-quantized to affine g32). Everything else is decoded to
-    float: ``dtype``, float32 when None (``load``'s default for GGUF: it decodes to float32 and casts only when
-    given a dtype) and for what ``cast_predicate`` keeps. ``quantize``: ``load(gguf, quantize=...)`` on top.
+    Q8_0 -> affine 8-bit g32, Q4_K -> affine 4-bit g32, with ``scale_dtype`` scales and biases; MXFP4 -> mxfp4).
+    The types MLX has no layout for (Q6_K, Q3_K, Q2_K, IQ*: ``ops.ggml.FORMATS``) stay the file's blocks (their GGUF
+    bytes, split on whole blocks: the group is the block size), or with ``requantize`` become affine g32; MLA's
+    per-head ``embed_q`` / ``unembed_out`` in such a type are decoded to float unless ``requantize`` (they have no
+    block layer). Everything else is decoded to float: ``dtype``, float32 when None (``load``'s default for GGUF:
+    it decodes to float32 and casts only when given a dtype) and for what ``cast_predicate`` keeps. ``quantize``:
+    ``load(gguf, quantize=...)`` on top (block layers are not re-quantized).
     """
     from ..convert.gguf.arch import FLOAT_TYPES, build_config, plan_tensors
     from ..convert.gguf.reader import GGUFFile
+    from ..ops.ggml import FORMATS
 
     g = path if isinstance(path, GGUFFile) else GGUFFile(Path(path).expanduser())
     cfg = build_config(g)
-    params = parameters(cfg)
-    plan = plan_tensors(g, cfg, {p.name: p.shape for p in params})
-    kinds = {p.name: p.kind for p in params}
+    params = {p.name: p for p in parameters(cfg)}
+    plan = plan_tensors(g, cfg, {p.name: p.shape for p in params.values()})
     stored = {}
     for name, info in plan.direct.items():
-        if info.type_name in FLOAT_TYPES or kinds[name] != "matrix":
+        p = params[name]
+        if info.type_name in FLOAT_TYPES or p.kind != "matrix":
             continue  # decoded to float
-        block, per_block, group, label = _gguf_block_layout(int(info.qtype), scale_dtype, requantize)
-        stored[name] = Stored(math.prod(info.shape) // block * per_block, group, f"{info.type_name} -> {label}")
+        if info.type_name in FORMATS and not requantize:
+            if p.expert or len(p.shape) == 2:  # a Linear, Embedding or expert stack: a GGML-block layer
+                stored[name] = _ggml_blocks(info.type_name, p)
+            continue  # a MultiLinear ([H, ...]): decoded to float
+        block, per_block, group, label = _gguf_block_layout(int(info.qtype), scale_dtype)
+        stored[name] = Stored(p.numel // block * per_block, group, f"{info.type_name} -> {label}")
     return _account(cfg, dtype or "float32", quantize, stored, g.source)
 
 
 @functools.lru_cache(maxsize=None)
-def _gguf_block_layout(qtype: int, scale_dtype: str, requantize: bool) -> tuple[int, int, int, str]:
-    """(elements per GGML block, MLX bytes per block, MLX group size, MLX layout) of a quantized GGML type:
-    ``to_mlx`` run on one zero block, so the answer is the loader's own layout."""
+def _gguf_block_layout(qtype: int, scale_dtype: str) -> tuple[int, int, int, str]:
+    """(elements per GGML block, MLX bytes per block, MLX group size, MLX layout) of a quantized GGML type
+    converted to MLX (re-quantized where it has no MLX layout): ``to_mlx`` run on one zero block, so the answer is
+    the loader's own layout."""
     import warnings
 
     import gguf
     import mlx.core as mx
     import numpy as np
 
-    from ..convert.gguf.quant import GGUFQuantError, to_mlx
+    from ..convert.gguf.quant import to_mlx
 
     block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
     name = gguf.GGMLQuantizationType(qtype).name
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the requantization warning of codebook types
-        try:
-            out = to_mlx(name, qtype, np.zeros(type_size, np.uint8), (1, block), requantize=requantize,
-                         scale_dtype=getattr(mx, scale_dtype))
-        except GGUFQuantError as e:
-            raise ValueError(f"{e} (pass requantize=True / --requantize to plan it)") from None
+        warnings.simplefilter("ignore")  # the requantization warning of the block types
+        out = to_mlx(name, qtype, np.zeros(type_size, np.uint8), (1, block), requantize=True,
+                     scale_dtype=getattr(mx, scale_dtype))
     per_block = sum(out[k].nbytes for k in ("weight", "scales", "biases") if k in out)
     spec = QuantSpec(out["bits"], out["group_size"], out["mode"])
     scales = "" if spec.mode == "mxfp4" else f" ({scale_dtype} scales)"
@@ -879,16 +898,20 @@ def plan_tensor(acct: Accounting, hosts: Sequence[Host], link: Link = JACCL_TB5,
     """Tensor + expert parallelism: every rank holds every layer's ``tensor_shares`` part (KDA and MLA heads, routed
     experts whole, MLP widths on multiples of the quantization group) and the replicated rest (embedding, head,
     norms, routers, MLA ``kv_a_proj`` + norm, q-LoRA ``q_a_proj``, KDA ``f_a`` / ``g_a`` and ``o_norm``, latent-MoE
-    down/up projections and norm). Each layer's attention and MLP outputs are combined with one all_sum each."""
+    down/up projections and norm). Each layer's attention and MLP outputs are combined with one all_sum each.
+    ValueError where a rank's heads would cut an output projection inside a quantization group or GGML block (as
+    ``load(parallel="tensor")`` would)."""
     _check_hosts(hosts, reserve_gib)
     cfg, n = acct.cfg, len(hosts)
     layers = range(cfg.num_hidden_layers)
     parts = frozenset({"embed", "norm", "head", "output_attn_res"})
     kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
+    shares = tensor_shares(cfg, n, acct.split_unit())
+    _check_head_cuts(acct, shares)
     ranks = tuple(
         RankPlan(r, host, layers, parts, share, weight_bytes(acct, layers, parts, share),
                  cache_bytes(cfg, context, layers, share, act_bytes=acct.act_bytes, **kv), _usable(host, reserve_gib))
-        for r, (host, share) in enumerate(zip(hosts, tensor_shares(cfg, n, acct.split_unit())))
+        for r, (host, share) in enumerate(zip(hosts, shares))
     )
     hidden = cfg.hidden_size * acct.act_bytes
     all_sums = 2 * cfg.num_hidden_layers
@@ -907,3 +930,22 @@ def plan_tensor(acct: Accounting, hosts: Sequence[Host], link: Link = JACCL_TB5,
                         serial=False)
     per_rank = all_sums * 2 * (n - 1) / n * hidden
     return Plan("tensor", acct, context, reserve_gib, link, ranks, decode, prefill, per_rank, kv_bits, kv_group_size)
+
+
+def _check_head_cuts(acct: Accounting, shares: Sequence[TensorShare]) -> None:
+    """Each rank's heads cut the attention output projections (``o_proj``: [hidden, heads x head width]) by column;
+    the cuts must fall on whole quantization groups / GGML blocks (``acct.group``), else ValueError naming the
+    parameter, its layout, the rank and the columns."""
+    for p in acct.params:
+        unit = acct.group.get(p.name, 1)
+        if p.split not in ("kda_heads", "mla_heads") or not p.name.endswith(".o_proj.weight") or unit == 1:
+            continue
+        width = p.shape[-1] // _SPLIT_SIZES[p.split](acct.cfg)
+        for r, share in enumerate(shares):
+            heads = getattr(share, p.split)
+            if heads.start * width % unit or heads.stop * width % unit:
+                raise ValueError(
+                    f"{p.name} ({acct.layout[p.name]}): rank {r}'s heads {heads.start}-{heads.stop - 1} are columns "
+                    f"{heads.start * width}:{heads.stop * width}, which do not fall on its {unit}-column groups / "
+                    f"blocks; tensor parallelism over {len(shares)} ranks cannot cut it (another rank count, "
+                    "pipeline, or a layout with smaller groups can)")

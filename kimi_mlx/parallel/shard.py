@@ -9,8 +9,8 @@ Each rank keeps its ``TensorShare`` (``plan.tensor_shares``) of every layer and 
 - MLA: its heads: rows of ``q_proj`` / ``q_b_proj`` and ``g_proj``, the heads' slices of ``embed_q`` /
   ``unembed_out``; ``kv_a_proj_with_mqa``, its norm and hence the latent cache stay whole on every rank.
 - dense MLP and shared experts: a column range of the intermediate width (gate/up rows, down_proj columns).
-- routed experts: its experts, whole (quantized stacks are cut on the expert axis, so quantization groups never need
-  to divide); the router stays whole and slots routed to other ranks' experts add zero.
+- routed experts: its experts, whole (quantized and GGML-block stacks are cut on the expert axis, so quantization
+  groups and blocks never need to divide); the router stays whole and slots routed to other ranks' experts add zero.
 
 Output projections keep the matching input columns, and the ranks' partial outputs are summed with one ``all_sum``
 per attention block and one per MLP / MoE block, so every rank carries the full hidden state and computes the full
@@ -18,6 +18,10 @@ logits (embeddings, norms, AttnRes, router and head are replicated). A rank hold
 than heads or width units) adds zeros to that block's sum.
 
 The sums of one model run in the order they are made, on every rank (``OrderedSum``).
+
+Layers may be float, MLX-quantized or GGML blocks (``layers.ggml``: uint8 ``[out, row_bytes]``, each row
+``in / block_elems`` blocks): rows are plain slices; a column cut keeps whole quantization groups or whole blocks
+(a byte range of every row), and widths are split on those units (``width_unit``).
 
 Parameters are cut with lazy slices and copied (``mx.contiguous``): on a model whose weights are not evaluated yet,
 only this rank's share is ever kept. ``tensor_select`` tells a GGUF reader which expert rows this rank decodes.
@@ -35,16 +39,21 @@ from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from ..config import KimiConfig
+from ..layers.ggml import GGMLLinear, GGMLSwitchLinear
 from ..layers.kda import KimiDeltaAttention
 from ..layers.mla import KimiMLA
 from ..layers.moe import MLP, SORTED_MIN_PAIRS, SparseMoE, switch_glu
+from ..ops.ggml import get_format
 from . import comm
 from .plan import TensorShare, tensor_shares
 
 __all__ = ["tensor_parallel", "shard_model", "tensor_select", "width_unit"]
 
 # Layers whose every parameter has the output rows (or heads, or experts) on axis 0.
-_ROW_LAYERS = (nn.Linear, nn.QuantizedLinear, MultiLinear, QuantizedMultiLinear, SwitchLinear, QuantizedSwitchLinear)
+_ROW_LAYERS = (nn.Linear, nn.QuantizedLinear, MultiLinear, QuantizedMultiLinear, SwitchLinear, QuantizedSwitchLinear,
+               GGMLLinear, GGMLSwitchLinear)
+# Layers that can be cut by input column: weight [out, in] (quantized: packed words, scales, biases; GGML: blocks).
+_COL_LAYERS = (nn.Linear, nn.QuantizedLinear, GGMLLinear)
 _EXPERT_PARAM = re.compile(r"\.switch_mlp\.(gate|up|down)_proj\.(weight|scales|biases)$")
 
 
@@ -88,18 +97,27 @@ def tensor_select(cfg: KimiConfig, group: mx.distributed.Group = None) -> Callab
 
 
 def width_unit(model: nn.Module) -> int:
-    """Unit on which intermediate widths are split: the least common multiple of the quantization group sizes of the
-    dense MLP and shared-expert projections, 1 when none is quantized. Only ``down_proj`` (cut by column) needs it;
-    counting gate/up too keeps it equal to the planner's ``Accounting.split_unit`` (group sizes are powers of 2)."""
+    """Unit on which intermediate widths are split: the least common multiple of the column units (quantization group
+    size, GGML block size; ``_col_unit``) of the dense MLP and shared-expert projections, 1 when all are float. Only
+    ``down_proj`` (cut by column) needs it; counting gate/up too keeps it equal to the planner's
+    ``Accounting.split_unit`` (group and block sizes are powers of 2)."""
     sizes = [
-        proj.group_size
+        _col_unit(proj)
         for layer in model.layers
         for mlp in (layer.mlp, layer.mlp.get("shared_experts"))
         if isinstance(mlp, MLP)
         for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        if isinstance(proj, nn.QuantizedLinear)
     ]
     return math.lcm(1, *sizes)
+
+
+def _col_unit(layer: nn.Module) -> int:
+    """Input columns a column cut must keep together: the quantization group, the GGML block, 1 for float."""
+    if isinstance(layer, nn.QuantizedLinear):
+        return layer.group_size
+    if isinstance(layer, GGMLLinear):
+        return get_format(layer.ggml_type).block_elems
+    return 1
 
 
 # --- cutting parameters ------------------------------------------------------------------------------------------
@@ -122,8 +140,8 @@ def _rows(layer: nn.Module, ranges: Sequence[range], total: int, name: str) -> n
     """``layer`` (in place) keeping its output rows / heads / experts ``ranges`` of ``total`` (axis 0 of every
     parameter: weight, scales, biases, bias)."""
     if type(layer) not in _ROW_LAYERS:
-        raise TypeError(f"{name}: cannot shard a {type(layer).__name__} (expected a plain or quantized Linear, "
-                        "MultiLinear or SwitchLinear)")
+        raise TypeError(f"{name}: cannot shard a {type(layer).__name__} (expected a plain, quantized or GGML-block "
+                        "Linear, MultiLinear or SwitchLinear)")
     for key, a in layer.parameters().items():
         layer[key] = _take(a, ranges, total, f"{name}.{key}")
     return layer
@@ -131,23 +149,27 @@ def _rows(layer: nn.Module, ranges: Sequence[range], total: int, name: str) -> n
 
 def _cols(layer: nn.Module, cols: range, total: int, name: str) -> nn.Module:
     """``layer`` (in place) keeping input columns ``cols`` of ``total``: weight [out, total] (quantized: packed
-    weight [out, total * bits / 32], scales / biases [out, total / group_size]), cut on group boundaries."""
-    if type(layer) not in (nn.Linear, nn.QuantizedLinear):
+    weight [out, total * bits / 32], scales / biases [out, total / group_size]; GGML: blocks [out, total /
+    block_elems * type_bytes] uint8), cut on group / block boundaries."""
+    if type(layer) not in _COL_LAYERS:
         raise TypeError(f"{name}: cannot shard a {type(layer).__name__} by column "
-                        "(expected a plain or quantized Linear)")
+                        "(expected a plain, quantized or GGML-block Linear)")
     if "bias" in layer:
         raise ValueError(f"{name}: has a bias, which every rank would add to the summed output")
-    quantized = type(layer) is nn.QuantizedLinear
-    unit = layer.group_size if quantized else 1
-    width = layer.scales.shape[-1] * unit if quantized else layer.weight.shape[-1]
+    unit = _col_unit(layer)
+    if type(layer) is nn.QuantizedLinear:
+        width = layer.scales.shape[-1] * unit
+    else:
+        width = layer.input_dims if type(layer) is GGMLLinear else layer.weight.shape[-1]
     if width != total:
         raise ValueError(f"{name}: expected {total} input columns, got {width} "
                          f"(weight shape {tuple(layer.weight.shape)})")
     if cols.start % unit or cols.stop % unit:
-        raise ValueError(f"{name}: columns {cols.start}:{cols.stop} do not fall on quantization group boundaries "
-                         f"(group size {unit})")
+        where = (f"{layer.ggml_type} block boundaries (block size {unit})" if type(layer) is GGMLLinear
+                 else f"quantization group boundaries (group size {unit})")
+        raise ValueError(f"{name}: columns {cols.start}:{cols.stop} do not fall on {where}")
     for key, a in layer.parameters().items():
-        per = a.shape[-1]  # packed words / groups / columns spanning all ``total`` columns
+        per = a.shape[-1]  # packed words / groups / block bytes / columns spanning all ``total`` columns
         layer[key] = mx.contiguous(a[:, cols.start * per // total : cols.stop * per // total])
     return layer
 
@@ -199,9 +221,19 @@ class SumQuantizedLinear(nn.QuantizedLinear):
         return self.all_sum(super().__call__(x))
 
 
+class SumGGMLLinear(GGMLLinear):
+    """``GGMLLinear`` over this rank's input columns (whole blocks); the ranks' partial outputs are summed."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.all_sum(super().__call__(x))
+
+
+_SUMMED = {nn.Linear: SumLinear, nn.QuantizedLinear: SumQuantizedLinear, GGMLLinear: SumGGMLLinear}
+
+
 def _summed(layer: nn.Module, psum: OrderedSum) -> nn.Module:
-    cls = SumQuantizedLinear if type(layer) is nn.QuantizedLinear else SumLinear
-    return _recast(layer, cls, all_sum=psum)
+    """``layer`` (cut by column, ``_cols``) as its twin whose output is summed over the ranks."""
+    return _recast(layer, _SUMMED[type(layer)], all_sum=psum)
 
 
 # --- blocks ------------------------------------------------------------------------------------------------------
