@@ -22,53 +22,44 @@ from ..ops.ggml import dequantize, get_format, ggml_gather_matmul, ggml_matmul, 
 __all__ = ["GGMLEmbedding", "GGMLLinear", "GGMLSwitchLinear", "GGML_LAYERS", "ggml_type_of", "holds_ggml", "to_ggml"]
 
 
-def _cols(weight: mx.array, ggml_type: str) -> int:
-    fmt = get_format(ggml_type)
-    return weight.shape[-1] // fmt.type_bytes * fmt.block_elems
+class _GGMLBlocks(nn.Module):
+    """Frozen uint8 blocks ``weight [*lead, out, row_bytes]`` of ``input_dims`` columns each, optional float
+    ``bias [*lead, out]``."""
 
-
-class GGMLLinear(nn.Module):
-    """``nn.Linear`` over GGML blocks: x [..., in] -> [..., out]."""
-
-    def __init__(self, input_dims: int, output_dims: int, ggml_type: str, bias: bool = False):
+    def __init__(self, lead: tuple[int, ...], input_dims: int, output_dims: int, ggml_type: str, bias: bool):
         super().__init__()
         self.ggml_type = ggml_type
-        self.weight = mx.zeros((output_dims, row_bytes(ggml_type, input_dims)), mx.uint8)
+        self.weight = mx.zeros((*lead, output_dims, row_bytes(ggml_type, input_dims)), mx.uint8)
         if bias:
-            self.bias = mx.zeros((output_dims,))
+            self.bias = mx.zeros((*lead, output_dims))
         self.freeze()
 
     @property
     def input_dims(self) -> int:
-        return _cols(self["weight"], self.ggml_type)
+        fmt = get_format(self.ggml_type)
+        return self["weight"].shape[-1] // fmt.type_bytes * fmt.block_elems
 
     @property
     def output_dims(self) -> int:
-        return self["weight"].shape[0]
+        return self["weight"].shape[-2]
+
+
+class GGMLLinear(_GGMLBlocks):
+    """``nn.Linear`` over GGML blocks: x [..., in] -> [..., out]."""
+
+    def __init__(self, input_dims: int, output_dims: int, ggml_type: str, bias: bool = False):
+        super().__init__((), input_dims, output_dims, ggml_type, bias)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = ggml_matmul(x, self["weight"], self.ggml_type)
         return y + self["bias"] if "bias" in self else y
 
 
-class GGMLSwitchLinear(nn.Module):
+class GGMLSwitchLinear(_GGMLBlocks):
     """mlx-lm's ``SwitchLinear`` over GGML blocks: ``(x, indices, sorted_indices)`` as ``gather_qmm`` takes them."""
 
     def __init__(self, input_dims: int, output_dims: int, num_experts: int, ggml_type: str, bias: bool = False):
-        super().__init__()
-        self.ggml_type = ggml_type
-        self.weight = mx.zeros((num_experts, output_dims, row_bytes(ggml_type, input_dims)), mx.uint8)
-        if bias:
-            self.bias = mx.zeros((num_experts, output_dims))
-        self.freeze()
-
-    @property
-    def input_dims(self) -> int:
-        return _cols(self["weight"], self.ggml_type)
-
-    @property
-    def output_dims(self) -> int:
-        return self["weight"].shape[1]
+        super().__init__((num_experts,), input_dims, output_dims, ggml_type, bias)
 
     @property
     def num_experts(self) -> int:
@@ -81,14 +72,11 @@ class GGMLSwitchLinear(nn.Module):
         return y
 
 
-class GGMLEmbedding(nn.Module):
+class GGMLEmbedding(_GGMLBlocks):
     """``nn.Embedding`` over GGML blocks: ids [...] -> [..., dims] float32 (only the looked-up rows are decoded)."""
 
     def __init__(self, num_embeddings: int, dims: int, ggml_type: str):
-        super().__init__()
-        self.ggml_type = ggml_type
-        self.weight = mx.zeros((num_embeddings, row_bytes(ggml_type, dims)), mx.uint8)
-        self.freeze()
+        super().__init__((), dims, num_embeddings, ggml_type, False)
 
     def __call__(self, ids: mx.array) -> mx.array:
         return dequantize(self["weight"][ids], self.ggml_type)
