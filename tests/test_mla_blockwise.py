@@ -144,3 +144,20 @@ def test_reserved_cache_allocates_once(kl_blocks, kv):
         plain_widths.update(_width(c.kv_latent) for c in plain if isinstance(c, MLALatentCache))
     assert widths == {1024}
     assert plain_widths == {256, 456, 656, 856}  # without: allocated, then regrown (copied) 3 times
+
+
+def test_auto_key_block_bounds_scores_and_matches_small_blocks(kl_blocks):
+    """``key_block=None`` (the layers' default): blocks of ``auto_key_block`` keys, whose float32 scores fit
+    SCORE_BUDGET_BYTES whatever the context (decode: few large blocks; expanded prefill chunks: 512); decode and
+    prefill equal 64-key blocks within 1e-5."""
+    budget = mla_ops.SCORE_BUDGET_BYTES
+    for B, H, T in [(1, 32, 1), (1, 32, 128), (4, 2, 1), (1, 2, 100), (1, 64, 4096)]:
+        kb = mla_ops.auto_key_block(B, H, T)
+        assert kb % mla_ops.KEY_BLOCK == 0 and (4 * B * H * T * kb <= budget or kb == mla_ops.KEY_BLOCK)
+    assert mla_ops.auto_key_block(1, 32, 1) == 262144 and mla_ops.auto_key_block(1, 2, 2048) == 512
+    attn = mla_layers(kl_blocks)[0]
+    x = mx.random.normal((1, 700, kl_blocks.args.hidden_size), key=mx.random.key(3))
+    for prefix in (600, 699):  # a 100-token chunk, a decode step
+        auto = layer_chunk(attn, x, prefix, None, None)
+        small = layer_chunk(attn, x, prefix, None, 64)
+        assert mx.abs(auto - small).max().item() <= 1e-5

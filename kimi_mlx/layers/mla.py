@@ -19,7 +19,7 @@ from mlx_lm.models.mla import MultiLinear
 
 from ..cache import MLALatentCache
 from ..config import KimiConfig
-from ..ops.mla_attention import KEY_BLOCK, Mask, mla_attention
+from ..ops.mla_attention import Mask, mla_attention
 from .norm import RMSNorm
 
 
@@ -30,7 +30,7 @@ class KimiMLA(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.rank = cfg.kv_lora_rank
         self.scale = (self.nope + self.rope) ** -0.5
-        self.key_block = KEY_BLOCK  # keys per attention block (ops/mla_attention.py); tests set it smaller
+        self.key_block = None  # keys per attention block (ops/mla_attention.py; None: auto_key_block); tests set it
         hidden = cfg.hidden_size
         q_dim = H * (self.nope + self.rope)
         if cfg.q_lora_rank:
