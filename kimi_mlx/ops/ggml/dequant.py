@@ -88,14 +88,32 @@ def _grid(name: str, idx: mx.array) -> mx.array:
     return mx.take(_table(name, "grid"), idx, axis=0)
 
 
-def _ksigns(idx: mx.array) -> mx.array:
-    """7-bit sign indices [...] -> sign bits [..., 8] (1: negative) through the parity sign table."""
-    return _fields(mx.take(_table("IQ2_XXS", "signs"), idx, axis=0), 1, 8, interleave=True)
+def _ksign_bytes(idx: mx.array) -> mx.array:
+    """7-bit sign indices [...] -> their 8 sign bits as uint8 (bit j: lane j negative), by the parity sign table."""
+    return mx.take(_table("IQ2_XXS", "signs"), idx, axis=0)
 
 
-def _signed(w: mx.array, bits: mx.array) -> mx.array:
-    """``w * (bits ? -1 : 1)``, exactly (a negation)."""
-    return mx.where(bits.astype(mx.bool_), -w, w)
+@functools.cache
+def _signed_grid(name: str) -> mx.array:
+    """[entries * 2**lanes, lanes] float32: grid row e with lane j negated where bit j of p is set, at row
+    ``e * 2**lanes + p``. One lookup then gives the signed row (3x faster than grid lookup + sign bits on the CPU
+    backend for IQ2_XXS); a negation is exact, so ``d * row`` equals gguf-py's ``(d * grid) * sign`` bit for bit.
+    Sizes: 2 MiB (IQ2_XXS), 4 MiB (IQ2_XS), 8 MiB (IQ2_S), 64 KiB (IQ3_XXS), 128 KiB (IQ3_S)."""
+    grid = tables(name)["grid"].astype(np.float32)
+    n, lanes = grid.shape
+    negative = ((np.arange(1 << lanes)[:, None] >> np.arange(lanes)) & 1).astype(bool)  # [patterns, lanes]
+    return mx.array(np.where(negative[None], -grid[:, None], grid[:, None]).reshape(n << lanes, lanes))
+
+
+def _signed_rows(name: str, idx: mx.array, signs: mx.array) -> mx.array:
+    """Grid rows of ``idx`` [...] with lane j negated where bit j of ``signs`` [...] is set -> [..., lanes] float32."""
+    lanes = tables(name)["grid"].shape[1]
+    return mx.take(_signed_grid(name), (idx.astype(mx.uint32) << lanes) | signs.astype(mx.uint32), axis=0)
+
+
+def _nibbles(x: mx.array) -> mx.array:
+    """Bytes [..., n] -> [..., 2n]: low then high nibble of each (the 4-lane halves of an 8-bit sign pattern)."""
+    return _fields(x, 4, 2, interleave=True).reshape(*x.shape[:-1], 2 * x.shape[-1])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -159,8 +177,8 @@ def _iq2_xxs(b):
     g = b[..., 2:66].reshape(*lead, 8, 8)  # per 32 weights: 4 grid indices, then a u32 of signs + scale
     aux = g[..., 4:8].view(mx.uint32)[..., 0]
     db = _iq_scale(_f16(b[..., 0:2]), aux >> 28, 0.25)[..., None, None]
-    w = db * _grid("IQ2_XXS", g[..., 0:4])
-    return _signed(w, _ksigns(_fields(aux, 7, 4, interleave=True))).reshape(*lead, 256)
+    signs = _ksign_bytes(_fields(aux, 7, 4, interleave=True))  # [..., 8, 4]
+    return (db * _signed_rows("IQ2_XXS", g[..., 0:4], signs)).reshape(*lead, 256)
 
 
 def _iq2_xs(b):
@@ -168,8 +186,8 @@ def _iq2_xs(b):
     qs = b[..., 2:66].view(mx.uint16)
     s = _fields(b[..., 66:74], 4, 2, interleave=True).reshape(*lead, 16)
     db = _iq_scale(_f16(b[..., 0:2]), s, 0.25)[..., None, None]
-    w = db * _grid("IQ2_XS", qs & 511).reshape(*lead, 16, 2, 8)
-    return _signed(w, _ksigns(qs >> 9).reshape(*lead, 16, 2, 8)).reshape(*lead, 256)
+    w = _signed_rows("IQ2_XS", qs & 511, _ksign_bytes(qs >> 9)).reshape(*lead, 16, 2, 8)
+    return (db * w).reshape(*lead, 256)
 
 
 def _iq2_s(b):
@@ -178,17 +196,17 @@ def _iq2_s(b):
     db = _iq_scale(_f16(b[..., 0:2]), s, 0.25)[..., None, None]
     qh = _fields(b[..., 66:74], 2, 4, interleave=True).reshape(*lead, 32)
     idx = b[..., 2:34].astype(mx.uint16) | (qh.astype(mx.uint16) << 8)
-    w = db * _grid("IQ2_S", idx).reshape(*lead, 16, 2, 8)
-    bits = _fields(b[..., 34:66], 1, 8, interleave=True).reshape(*lead, 16, 2, 8)
-    return _signed(w, bits).reshape(*lead, 256)
+    w = _signed_rows("IQ2_S", idx, b[..., 34:66]).reshape(*lead, 16, 2, 8)
+    return (db * w).reshape(*lead, 256)
 
 
 def _iq3_xxs(b):
     lead = b.shape[:-1]
     aux = b[..., 66:98].view(mx.uint32)
     db = _iq_scale(_f16(b[..., 0:2]), aux >> 28, 0.5)[..., None, None]
-    w = db * _grid("IQ3_XXS", b[..., 2:66]).reshape(*lead, 8, 4, 8)
-    return _signed(w, _ksigns(_fields(aux, 7, 4, interleave=True))).reshape(*lead, 256)
+    signs = _nibbles(_ksign_bytes(_fields(aux, 7, 4, interleave=True))).reshape(*lead, 64)
+    w = _signed_rows("IQ3_XXS", b[..., 2:66], signs).reshape(*lead, 8, 4, 8)
+    return (db * w).reshape(*lead, 256)
 
 
 def _iq3_s(b):
@@ -197,9 +215,8 @@ def _iq3_s(b):
     db = (_f16(b[..., 0:2]) * (1 + 2 * s).astype(F32))[..., None, None]
     qh = _fields(b[..., 66:74], 1, 8, interleave=True).reshape(*lead, 64)
     idx = b[..., 2:66].astype(mx.uint16) | (qh.astype(mx.uint16) << 8)
-    w = db * _grid("IQ3_S", idx).reshape(*lead, 8, 4, 8)
-    bits = _fields(b[..., 74:106], 1, 8, interleave=True).reshape(*lead, 8, 4, 8)
-    return _signed(w, bits).reshape(*lead, 256)
+    w = _signed_rows("IQ3_S", idx, _nibbles(b[..., 74:106])).reshape(*lead, 8, 4, 8)
+    return (db * w).reshape(*lead, 256)
 
 
 # ---------------------------------------------------------------------------------------------------------------
