@@ -3,6 +3,7 @@ reasoning / tool calls / warnings on a scripted event stream."""
 
 import io
 import re
+import signal
 import sys
 
 import pexpect
@@ -22,6 +23,9 @@ def _spawn(tmp_path, *flags) -> pexpect.spawn:
     child = pexpect.spawn(
         sys.executable, ["-m", "kimi_mlx.cli.main", "chat", "--model", "demo", *flags],
         cwd=str(tmp_path), encoding="utf-8", timeout=120, dimensions=(50, 400),
+        # a terminal's Ctrl-C must reach the REPL even when the suite itself runs with SIGINT ignored (a background
+        # job of a non-interactive shell), which an exec'd child would inherit
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     child.expect(r"kimi-mlx chat: demo \(kimi_linear format\)")
     child.expect_exact(PROMPT)
