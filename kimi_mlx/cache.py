@@ -1,7 +1,10 @@
 """Generation caches for the hybrid model: one entry per decoder layer.
 
 - ``MLALatentCache`` (MLA layers): the compressed latent ``kv_latent: [B, 1, S, kv_lora_rank]`` and the shared
-  un-rotated key part ``k_pe: [B, 1, S, qk_rope_head_dim]`` (NoPE: nothing else is needed for any position).
+  un-rotated key part ``k_pe: [B, 1, S, qk_rope_head_dim]`` (NoPE: nothing else is needed for any position), stored
+  in **pages** of ``PAGE_SIZE`` positions (``LatentPage``; page k holds positions [k P, (k + 1) P)). Growing adds a
+  page; what is stored is never copied to grow. Attention reads the pages where they lie, as consecutive key
+  segments (``fetch()``; ``ops.mla_attention`` takes the lists).
 - ``KDACache`` (KDA layers): ``conv_state: [B, K-1, 3*H*D]`` (last K-1 pre-conv q|k|v projections, activation dtype)
   and ``recurrent_state: [B, H, Dv, Dk]`` float32.
 
@@ -28,16 +31,32 @@ and one bias per group in the model dtype), a part whose width the group does no
 ``parallel.plan.cache_bytes(..., kv_bits, kv_group_size)`` counts. ``MLALatentCache.to_quantized`` converts a float
 cache (mlx-lm's ``maybe_quantize_kv_cache`` calls it: ``quantized_kv_start``).
 
-For serving many sequences: ``cache.snapshot(row)`` copies one sequence's whole cache out (a ``CacheSnapshot``, to
+For serving many sequences: ``cache.snapshot(row)`` takes one sequence's whole cache out (a ``CacheSnapshot``, to
 keep across requests), ``cache_from_snapshot(snap)`` makes a fresh cache from it, ``merge_caches(caches)`` stacks
 caches into one left-padded batch, and ``cache.filter(rows)`` keeps some rows of a batch.
+
+**Pages are shared, never modified.** A page is immutable: the cache writes its last page functionally (a new
+``LatentPage`` each time), so whoever else holds the old page keeps it as it was. MLX writes the buffer in place when
+the cache is its only holder and copies that one page otherwise: copy on write of the last, partial page. What
+shares and what copies:
+
+- growth, decode, chunked prefill: nothing is copied (a new page is allocated when the last one is full);
+- ``snapshot`` of a one-row cache, ``cache_from_snapshot``, ``merge_caches`` of one cache, prompt-cache files loaded:
+  full pages are shared; a snapshot copies the filled part of a partial last page (fewer than ``PAGE_SIZE``
+  positions), and a cache whose last page is such a short page copies it into a full page at its next write;
+- batches (B > 1): attention reads a page as one ``[B, 1, P, ·]`` array, so ``merge_caches`` of several caches
+  copies every row into batch pages once, and ``filter`` copies the kept rows (a filter down to one row instead
+  shares the pages that row had before the merge, see below, and copies the rest). With
+  ``merge_caches(..., keep_row_pages=True)`` (the server, whose prefix cache holds the same pages) a batch keeps each
+  merged one-row cache's full pages (``origins``), so a ``snapshot`` of that row shares them and copies only the
+  positions written since the merge (plus the partial page before them).
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import mlx.core as mx
 
@@ -80,11 +99,21 @@ def check_kv_quant(kv_bits: Optional[int], kv_group_size: int) -> None:
         raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {kv_group_size}")
 
 
+PAGE_SIZE = 4096  # positions per latent page (bench/bench_long_context.py, bench/bench_mla_attention.py: the choice)
+
+Part = Union[mx.array, tuple]  # a latent part as stored: a float array, or mx.quantize's (codes, scales, biases)
+
+
 def _map(part, fn):
     """Apply ``fn`` to a latent part: one float array, or the (codes, scales, biases) triple of a quantized one."""
     if part is None:
         return None
     return tuple(fn(a) for a in part) if isinstance(part, tuple) else fn(part)
+
+
+def _zip_map(part, other, fn):
+    """``fn(a, b)`` over the arrays of two latent parts of the same layout."""
+    return tuple(fn(a, b) for a, b in zip(part, other)) if isinstance(part, tuple) else fn(part, other)
 
 
 def _arrays(part) -> list[mx.array]:
@@ -96,27 +125,87 @@ def _width(part) -> int:
     return (part[0] if isinstance(part, tuple) else part).shape[2]
 
 
-class MLALatentCache(_LayerCache):
-    """Latent KV of one MLA layer; grows in steps of ``step`` positions, or at once to ``reserved`` positions.
+def _cat(parts: list, axis: int):
+    """Latent parts (float arrays or quantized triples) concatenated along ``axis`` (one part: itself)."""
+    if isinstance(parts[0], tuple):
+        return tuple(_cat([p[k] for p in parts], axis) for k in range(3))
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
 
-    Growing copies the filled part into a larger buffer, so for a moment the cache is held twice: a transient of the
-    cache's size at every growth. ``reserve(n)`` (what the generators call with prompt + max_tokens) makes the first
-    allocation hold ``n`` positions, so a long prefill and its decode never regrow.
+
+@dataclass(frozen=True, eq=False)
+class LatentPage:
+    """Consecutive positions of one MLA layer's latent cache: ``kv_latent [B, 1, n, r]`` and ``k_pe [B, 1, n, dr]``
+    as stored (each a (codes, scales, biases) triple when quantized). ``n`` is ``PAGE_SIZE``, or less for the short
+    last page a snapshot or a file ends with. Never modified: writing gives a new page (``written``), and caches and
+    snapshots hold pages by reference, so a shared page is one object (``is``) and one buffer."""
+
+    kv_latent: Part
+    k_pe: Part
+
+    @property
+    def size(self) -> int:
+        return _width(self.kv_latent)
+
+    @property
+    def rows(self) -> int:
+        return _arrays(self.kv_latent)[0].shape[0]
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return _arrays(self.kv_latent) + _arrays(self.k_pe)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    def parts(self, a: int, b: int, rows: Optional[mx.array] = None) -> tuple:
+        """(kv_latent, k_pe) of positions [a, b) and ``rows`` (an index array; None: all), views unless rows are
+        picked (the page's own parts when that is all of it)."""
+        if rows is None and (a, b) == (0, self.size):
+            return self.kv_latent, self.k_pe
+
+        def cut(x: mx.array) -> mx.array:
+            x = x[:, :, a:b]
+            return x if rows is None else x[rows]
+
+        return _map(self.kv_latent, cut), _map(self.k_pe, cut)
+
+    def written(self, at: int, parts: tuple) -> "LatentPage":
+        """This page with ``parts`` ((kv_latent, k_pe) ``[B, 1, m, ·]`` as stored) written at position ``at``, as a
+        new page. MLX writes the buffer in place when this page has no other holder, and copies it otherwise."""
+        start = mx.array([at])
+        return LatentPage(*(_zip_map(mine, new, lambda x, y: mx.slice_update(x, y, start, (2,)))
+                            for mine, new in zip((self.kv_latent, self.k_pe), parts)))
+
+    def with_arrays(self, arrays: list[mx.array]) -> "LatentPage":
+        """A page of the same layout made of ``arrays`` (in the order of ``arrays``)."""
+        flat = iter(arrays)
+        return LatentPage(*(_map(p, lambda _: next(flat)) for p in (self.kv_latent, self.k_pe)))
+
+
+def _blank(like: LatentPage, rows: int, size: int) -> tuple:
+    """Zero parts (kv_latent, k_pe) ``[rows, 1, size, ·]`` in the layout of ``like``."""
+    return tuple(_map(p, lambda a: mx.zeros((rows, a.shape[1], size, *a.shape[3:]), a.dtype))
+                 for p in (like.kv_latent, like.k_pe))
+
+
+class MLALatentCache(_LayerCache):
+    """Latent KV of one MLA layer, in pages of ``page_size`` positions (``pages``: page k holds positions
+    [k P, (k + 1) P), every page full but the last). Growing allocates a page; nothing stored is copied.
+
+    ``origins`` (a batch made by ``merge_caches(..., keep_row_pages=True)``, else None): per row, the full pages that
+    row had as a one-row cache before the merge (its positions [0, len * P) after its own padding), shared with
+    whoever else holds them, so that a snapshot of the row does not copy them again.
     """
 
-    step = 256
+    page_size = PAGE_SIZE
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
 
     def __init__(self, left_padding: Optional[mx.array] = None):
         super().__init__(left_padding)
-        self.kv_latent = None  # [B, 1, capacity, r] (quantized: a (codes, scales, biases) triple)
-        self.k_pe = None  # [B, 1, capacity, dr] (likewise)
-        self.reserved = 0
-
-    def reserve(self, n: int) -> None:
-        """Hold room for ``n`` positions in all from the next growth on (no copy now)."""
-        self.reserved = max(self.reserved, n)
+        self.pages: list[LatentPage] = []
+        self.origins: Optional[list[tuple[LatentPage, ...]]] = None
 
     @property
     def quant(self) -> Optional[tuple[int, int]]:
@@ -131,73 +220,112 @@ class MLALatentCache(_LayerCache):
         """A new ``[B, 1, T, w]`` part as stored (float here)."""
         return x
 
-    def update_and_fetch(self, kv_latent: mx.array, k_pe: mx.array):
-        """Append ``[B, 1, T, r]`` / ``[B, 1, T, dr]`` and return the filled ``[B, 1, offset+T, ·]`` views (for a
-        quantized cache: each part as stored, a triple or a float array)."""
-        prev, n = self.offset, kv_latent.shape[2]
-        new = [self._encode(kv_latent), self._encode(k_pe)]
-        if self.kv_latent is None or prev + n > _width(self.kv_latent):
-            grow = ((max(n, self.reserved - prev) + self.step - 1) // self.step) * self.step
-
-            def extend(old: Optional[mx.array], a: mx.array) -> mx.array:
-                zeros = mx.zeros((*a.shape[:2], grow, a.shape[3]), a.dtype)
-                if old is None:
-                    return zeros
-                return mx.concatenate([old[:, :, :prev], zeros], axis=2)
-
-            def extend_part(old, part):
-                if isinstance(part, tuple):
-                    return tuple(extend(o, a) for o, a in zip(old or (None,) * 3, part))
-                return extend(old, part)
-
-            self.kv_latent, self.k_pe = (extend_part(o, p) for o, p in zip((self.kv_latent, self.k_pe), new))
+    def update_and_fetch(self, kv_latent: mx.array, k_pe: mx.array) -> tuple[list, list]:
+        """Append ``[B, 1, T, r]`` / ``[B, 1, T, dr]`` and return the filled pages as key segments: (kv_latent parts,
+        k_pe parts), each ``[B, 1, n, ·]`` as stored (see ``fetch``)."""
+        new = (self._encode(kv_latent), self._encode(k_pe))
+        P, n, done = self.page_size, kv_latent.shape[2], 0
+        while done < n:
+            k, at = divmod(self.offset + done, P)
+            m = min(n - done, P - at)
+            if k == len(self.pages):
+                self.pages.append(LatentPage(*_blank(LatentPage(*new), kv_latent.shape[0], P)))
+            page = self.pages[k]
+            if page.size < at + m:  # a short last page (a snapshot's or a file's end): copied into a full page
+                page = LatentPage(*_blank(page, kv_latent.shape[0], P)).written(0, page.parts(0, page.size))
+            self.pages[k] = page.written(at, tuple(_map(p, lambda a: a[:, :, done : done + m]) for p in new))
+            done += m
         self.offset += n
-        for old, part in zip((self.kv_latent, self.k_pe), new):
-            for o, a in zip(_arrays(old), _arrays(part)):
-                o[:, :, prev : self.offset] = a
         return self.fetch()
 
-    def fetch(self):
-        """The filled ``[B, 1, offset, ·]`` parts."""
-        return tuple(_map(p, lambda a: a[:, :, : self.offset]) for p in (self.kv_latent, self.k_pe))
+    def fetch(self) -> tuple[list, list]:
+        """The filled positions as key segments, one per page: (kv_latent parts, k_pe parts), views ``[B, 1, n, ·]``
+        (n = ``page_size`` but for the last), never concatenated."""
+        P = self.page_size
+        segments = [page.parts(0, min(page.size, self.offset - k * P)) for k, page in enumerate(self.pages)]
+        return [s[0] for s in segments], [s[1] for s in segments]
+
+    def whole(self) -> tuple:
+        """The filled positions as one (kv_latent, k_pe) pair ``[B, 1, offset, ·]`` as stored: the pages
+        concatenated (a copy; prompt-cache files store this)."""
+        return tuple(_cat(parts, axis=2) for parts in self.fetch())
+
+    def load(self, kv_latent: Part, k_pe: Part) -> None:
+        """Hold ``[B, 1, N, ·]`` parts as stored (e.g. read from a file) as this cache's N positions: the pages are
+        views of them (no copy; a short last page is copied into a full one at the next write)."""
+        P, N = self.page_size, _width(kv_latent)
+        self.pages = [LatentPage(*(_map(p, lambda a: a[:, :, s : s + P]) for p in (kv_latent, k_pe)))
+                      for s in range(0, N, P)]
+        self.offset = N
+
+    def depend_on(self, x: mx.array) -> None:
+        """Make the last page depend on ``x``: evaluating the cache then evaluates ``x`` too."""
+        page = self.pages[-1]
+        self.pages[-1] = page.with_arrays(mx.depends(page.arrays, [x]))
 
     @property
     def state(self) -> list[mx.array]:
-        """Every filled array (a quantized part contributes codes, scales, biases)."""
-        if self.kv_latent is None:
-            return []
-        return [a for p in self.fetch() for a in _arrays(p)]
-
-    @state.setter
-    def state(self, arrays: list[mx.array]) -> None:
-        parts, i = [], 0
-        for _ in range(2):
-            quantized = arrays[i].dtype == mx.uint32
-            parts.append(tuple(arrays[i : i + 3]) if quantized else arrays[i])
-            i += 3 if quantized else 1
-        self.kv_latent, self.k_pe = parts
-        self.offset = _width(self.kv_latent)
+        """Every filled array, page by page (a quantized part contributes codes, scales, biases)."""
+        return [a for parts in zip(*self.fetch()) for p in parts for a in _arrays(p)]
 
     def is_trimmable(self) -> bool:
         return True
 
     def trim(self, n: int) -> int:
+        """Forget the last ``n`` positions; pages past the new end are released (the next write goes into the page
+        that holds it, copied first if someone else holds it)."""
         n = min(self.offset, n)
         self.offset -= n
+        del self.pages[-(-self.offset // self.page_size) :]
+        if self.origins is not None:
+            pads = self.left_padding.tolist() if self.left_padding is not None else [0] * len(self.origins)
+            self.origins = [o[: max(self.offset - p, 0) // self.page_size] for o, p in zip(self.origins, pads)]
         return n
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the filled positions (a last page's unfilled room is not counted)."""
         return sum(a.nbytes for a in self.state)
 
     def to_quantized(self, group_size: int = 64, bits: int = 8) -> "QuantizedMLALatentCache":
-        """This cache quantized (same offset and left padding); what mlx-lm's ``maybe_quantize_kv_cache`` calls."""
+        """This cache quantized (same offset and left padding), page by page; what mlx-lm's
+        ``maybe_quantize_kv_cache`` calls. A batch's ``origins`` (float pages) are not kept."""
         q = QuantizedMLALatentCache(self.left_padding, bits=bits, group_size=group_size)
-        q.reserved = self.reserved
-        if self.kv_latent is not None:
-            q.kv_latent, q.k_pe = (q._encode(p) for p in self.fetch())
+        q.pages = [LatentPage(q._encode(p.kv_latent), q._encode(p.k_pe)) for p in self.pages]
         q.offset = self.offset
         return q
+
+    def row_pages(self, row: int, pad: int) -> list[LatentPage]:
+        """Row ``row``'s positions [pad, offset) as one-row pages from position ``pad`` (every page full but a short
+        last one). Shared: the full pages of a one-row cache without padding, and the row's ``origins``; the rest is
+        copied."""
+        origin = self.origins[row] if self.origins else ()
+        rows = None if self.pages[0].rows == 1 else mx.array([row])
+        return list(origin) + _repage(self, pad + len(origin) * self.page_size, self.offset, rows)
+
+
+def _columns(cache: MLALatentCache, a: int, b: int, rows: Optional[mx.array]) -> tuple:
+    """Positions [a, b) of ``cache`` (0 <= a < b <= offset) for ``rows`` (None: all) as (kv_latent, k_pe) parts
+    ``[R, 1, b - a, ·]``; a view of one page when they lie in one page and all rows are taken."""
+    P, pieces = cache.page_size, []
+    for k in range(a // P, -(-b // P)):
+        pieces.append(cache.pages[k].parts(max(a, k * P) - k * P, min(b, (k + 1) * P) - k * P, rows))
+    return tuple(_cat([p[j] for p in pieces], axis=2) for j in range(2))
+
+
+def _repage(cache: MLALatentCache, a: int, b: int, rows: Optional[mx.array]) -> list[LatentPage]:
+    """Positions [a, b) of ``cache`` for ``rows`` (an index array; None: all) as pages of ``page_size`` positions
+    from ``a``, the last one short. A page that is one of the cache's own pages (all rows, a on a page boundary)
+    is that page, shared; the others are copies."""
+    P, out = cache.page_size, []
+    for s in range(a, b, P):
+        e = min(s + P, b)
+        page = cache.pages[s // P]
+        if rows is None and s % P == 0 and e - s == page.size:
+            out.append(page)
+        else:
+            out.append(LatentPage(*(_map(p, mx.contiguous) for p in _columns(cache, s, e, rows))))
+    return out
 
 
 class QuantizedMLALatentCache(MLALatentCache):
@@ -291,9 +419,10 @@ class CacheSnapshot:
     """One sequence's whole cache after ``offset`` tokens, without left padding (see ``HybridCache.snapshot``).
 
     kda_layers: per layer, whether it is a KDA layer. states: per layer, ``(conv_state [1, K-1, C],
-    recurrent_state [1, H, Dv, Dk])`` for KDA layers, ``(kv_latent [1, 1, offset, r], k_pe [1, 1, offset, dr])``
-    for MLA layers (each a (codes, scales, biases) triple when quantized); ``(None, None)`` while the layer is empty
-    (offset 0). kv_quant: ``(kv_bits, kv_group_size)`` of the MLA layers, None for a float latent cache.
+    recurrent_state [1, H, Dv, Dk])`` for KDA layers (``(None, None)`` while the layer is empty), and for MLA layers
+    the ``LatentPage``s of positions [0, offset) (one row; every page ``PAGE_SIZE`` positions but a short last one;
+    ``()`` while empty), shared by reference with caches and other snapshots. kv_quant: ``(kv_bits,
+    kv_group_size)`` of the MLA layers, None for a float latent cache.
     """
 
     offset: int
@@ -301,9 +430,17 @@ class CacheSnapshot:
     states: tuple
     kv_quant: Optional[tuple] = None
 
+    def holders(self) -> list:
+        """What holds this snapshot's memory, each once: its latent pages (which other snapshots and caches may
+        hold too: the same objects) and its KDA state arrays; each has ``nbytes``."""
+        out = []
+        for is_kda, state in zip(self.kda_layers, self.states):
+            out += [a for a in state if a is not None] if is_kda else list(state)
+        return out
+
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for s in self.states for p in s for a in _arrays(p))
+        return sum(h.nbytes for h in self.holders())
 
 
 _cache_ids = itertools.count()
@@ -368,8 +505,8 @@ class HybridCache(list):
     def snapshot(self, row: int = 0) -> CacheSnapshot:
         """Row ``row`` of this (possibly left-padded) batch cache as a ``CacheSnapshot``, its padding dropped.
 
-        The arrays are evaluated copies: the snapshot does not keep the cache's buffers alive, and later writes to
-        the cache cannot reach it.
+        The snapshot shares the full latent pages it can (see the module doc) and copies the rest (a partial last
+        page, a batch row's positions), evaluated; later writes to the cache never reach it.
         """
         offset = _common_offset(self, "snapshot")
         rows = _rows(self)
@@ -383,17 +520,18 @@ class HybridCache(list):
                 # one row's KDA state is the whole array (never written in place): shared, not copied
                 pair = (c.conv_state, c.recurrent_state)
                 states.append(tuple(a if a is None or rows == 1 else _copy(a[row : row + 1]) for a in pair))
-            elif c.kv_latent is None or offset == pad:
-                states.append((None, None))
             else:
-                states.append(tuple(_map(p, lambda a: _copy(a[row : row + 1, :, pad:offset])) for p in (c.kv_latent, c.k_pe)))
-        mx.eval([a for s in states for p in s for a in _arrays(p)])
-        return CacheSnapshot(offset - pad, tuple(isinstance(c, KDACache) for c in self), tuple(states), _kv_quant(self))
+                states.append(tuple(c.row_pages(row, pad)) if c.pages and offset > pad else ())
+        snap = CacheSnapshot(offset - pad, tuple(isinstance(c, KDACache) for c in self), tuple(states), _kv_quant(self))
+        mx.eval([a for h in snap.holders() for a in (h.arrays if isinstance(h, LatentPage) else [h])])
+        return snap
 
     def filter(self, rows: list[int]) -> None:
         """Keep ``rows`` of the batch (in that order), in place; drop the left padding all kept rows share.
 
-        The checkpoints are dropped (they hold every row's states).
+        The latent pages are copied for the kept rows (all rows in order with nothing to drop: shared); keeping
+        one row shares the pages it had before a merge (``origins``). The checkpoints are dropped (they hold every
+        row's states).
         """
         n = _rows(self)
         if not rows or any(not 0 <= r < n for r in rows):
@@ -408,10 +546,14 @@ class HybridCache(list):
             if isinstance(c, KDACache):
                 pair = (c.conv_state, c.recurrent_state)
                 c.conv_state, c.recurrent_state = (None if a is None else a[idx] for a in pair)
-            elif c.kv_latent is not None:
-                c.kv_latent, c.k_pe = (_map(p, lambda a: a[idx, :, drop:offset]) for p in (c.kv_latent, c.k_pe))
+            elif c.pages and len(rows) == 1:
+                c.pages, c.origins = c.row_pages(rows[0], drop), None
+            elif c.pages and (rows != list(range(n)) or drop):
+                c.pages = _repage(c, drop, offset, idx)
+                c.origins = [c.origins[r] for r in rows] if c.origins else None
             c.offset = offset - drop
             c.left_padding = left_padding
+        mx.eval([c.state for c in self])
         self.checkpoints = []
 
     def reset(self) -> None:
@@ -429,15 +571,6 @@ class HybridCache(list):
     def nbytes(self) -> int:
         """Bytes held by the layer caches and the checkpoints."""
         return sum(c.nbytes for c in self) + sum(cp.nbytes for cp in self.checkpoints)
-
-
-def reserve_cache(cache: list, n: int, max_length: Optional[int] = None) -> None:
-    """Have every MLA latent layer of ``cache`` allocate room for ``n`` positions (at most ``max_length``) at its next
-    growth, so reaching ``n`` never regrows (``MLALatentCache.reserve``)."""
-    n = n if max_length is None else min(n, max_length)
-    for c in cache:
-        if isinstance(c, MLALatentCache):
-            c.reserve(n)
 
 
 def make_cache(
@@ -460,26 +593,29 @@ def make_cache(
 
 
 def cache_from_snapshot(snap: CacheSnapshot, max_checkpoints: int = 8) -> HybridCache:
-    """A fresh one-sequence cache holding exactly ``snap`` (the layout of ``model.make_cache()``)."""
+    """A fresh one-sequence cache holding exactly ``snap`` (the layout of ``model.make_cache()``); its latent pages
+    are the snapshot's (shared: the cache's writes make new pages)."""
     layers = []
-    for is_kda, (a, b) in zip(snap.kda_layers, snap.states):
+    for is_kda, state in zip(snap.kda_layers, snap.states):
         c = KDACache() if is_kda else _new_mla(snap.kv_quant, None)
         if is_kda:
-            c.conv_state, c.recurrent_state = a, b
-        elif a is not None:
-            # new array objects: MLX's slice assignment (update_and_fetch after a trim) rewrites its target in place
-            c.kv_latent, c.k_pe = _map(a, mx.array), _map(b, mx.array)
+            c.conv_state, c.recurrent_state = state
+        else:
+            c.pages = list(state)
         c.offset = snap.offset
         layers.append(c)
     return HybridCache(layers, max_checkpoints)
 
 
-def merge_caches(caches: list[HybridCache]) -> HybridCache:
+def merge_caches(caches: list[HybridCache], keep_row_pages: bool = False) -> HybridCache:
     """Stack the rows of ``caches`` (in order; each may hold B >= 1 left-padded rows) into one left-padded batch.
 
     The result is at the largest offset; a shorter cache's rows get that many more pad positions in front (zero
     MLA latents, hidden by the mask). An empty KDA state (a cache at offset 0) becomes zeros, which is what a KDA
-    layer starts from. Every array is copied (cost: the whole batch's cache).
+    layer starts from. One cache: its pages are shared. Several: every row's latent is copied into batch pages
+    (evaluated here, so the inputs' buffers are free once their caches are dropped). ``keep_row_pages``: the batch
+    also keeps each one-row input's full pages (``MLALatentCache.origins``), so a later snapshot or one-row filter
+    of that row shares them instead of copying (they stay alive while the row is in the batch).
     """
     if not caches:
         raise ValueError("merge_caches needs at least one cache")
@@ -505,13 +641,45 @@ def merge_caches(caches: list[HybridCache]) -> HybridCache:
         if is_kda:
             c.conv_state = _stack([p.conv_state for p in parts], sizes)
             c.recurrent_state = _stack([p.recurrent_state for p in parts], sizes)
+        elif len(parts) == 1:
+            c.pages, c.origins = list(parts[0].pages), parts[0].origins
         elif offset > 0:
-            filled = [p.fetch() if p.kv_latent is not None else (None, None) for p in parts]
-            c.kv_latent, c.k_pe = (_stack_parts([_pad_front_part(f[j], offset - o) for f, o in zip(filled, offsets)],
-                                                sizes) for j in range(2))
+            c.pages = _batch_pages(parts, offsets, sizes)
+            if keep_row_pages:
+                c.origins = [o for p, n in zip(parts, sizes) for o in _origins(p, n)]
         c.offset = offset
         layers.append(c)
-    return HybridCache(layers, caches[0].max_checkpoints)
+    merged = HybridCache(layers, caches[0].max_checkpoints)
+    mx.eval([c.state for c in merged])
+    return merged
+
+
+def _batch_pages(parts: list[MLALatentCache], offsets: list[int], sizes: list[int]) -> list[LatentPage]:
+    """The pages of the merge of ``parts`` (offsets and row counts given) at the largest offset: page k stacks, for
+    each part, its positions that land on [k P, (k + 1) P) (zeros where they fall in its front padding)."""
+    like = next(p.pages[0] for p in parts if p.pages)
+    P, offset = parts[0].page_size, max(offsets)
+    pages = []
+    for s in range(0, offset, P):
+        e = min(s + P, offset)
+        stacked = []
+        for p, o, n in zip(parts, offsets, sizes):
+            lo, hi = s - (offset - o), e - (offset - o)  # this part's own positions
+            pieces = [_blank(like, n, min(hi, 0) - lo)] if lo < 0 else []
+            if hi > 0:
+                pieces.append(_columns(p, max(lo, 0), hi, None))
+            stacked.append(tuple(_cat([q[j] for q in pieces], axis=2) for j in range(2)))
+        pages.append(LatentPage(*(_cat([q[j] for q in stacked], axis=0) for j in range(2))))
+    return pages
+
+
+def _origins(cache: MLALatentCache, rows: int) -> list[tuple[LatentPage, ...]]:
+    """Per row of ``cache``, the full pages a merge can keep for it (``MLALatentCache.origins``)."""
+    if cache.origins is not None:
+        return list(cache.origins)
+    if rows == 1 and cache.left_padding is None:
+        return [tuple(cache.pages[: cache.offset // cache.page_size])]
+    return [()] * rows
 
 
 def _kv_quant(cache: HybridCache) -> Optional[tuple[int, int]]:
@@ -546,25 +714,6 @@ def _padding(pads: list[int]) -> Optional[mx.array]:
 def _copy(a: mx.array) -> mx.array:
     """A copy of a slice that does not share (and so keep alive) the sliced buffer."""
     return mx.contiguous(a)
-
-
-def _pad_front(a: Optional[mx.array], n: int) -> Optional[mx.array]:
-    """``[B, 1, T, d]`` -> ``[B, 1, n + T, d]`` with n zero positions in front."""
-    if a is None or n == 0:
-        return a
-    return mx.concatenate([mx.zeros((*a.shape[:2], n, a.shape[3]), a.dtype), a], axis=2)
-
-
-def _pad_front_part(part, n: int):
-    return _map(part, lambda a: _pad_front(a, n))
-
-
-def _stack_parts(parts: list, sizes: list[int]):
-    """``_stack`` of latent parts (float arrays or quantized triples, None for an empty cache)."""
-    like = next((p for p in parts if p is not None), None)
-    if not isinstance(like, tuple):
-        return _stack(parts, sizes)
-    return tuple(_stack([None if p is None else p[k] for p in parts], sizes) for k in range(3))
 
 
 def _stack(arrays: list[Optional[mx.array]], sizes: list[int]) -> Optional[mx.array]:

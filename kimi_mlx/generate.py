@@ -19,7 +19,7 @@ from mlx_lm.generate import GenerationResponse, generate_step, maybe_quantize_kv
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .cache import check_kv_quant, reserve_cache
+from .cache import check_kv_quant
 from .validation import check_context, check_token_ids
 
 
@@ -114,8 +114,6 @@ def stream_generate(
     Latent cache: ``kv_bits`` (8 or 4, None: float) with ``kv_group_size`` (32, 64, 128) quantizes the MLA layers'
     cache once it holds ``quantized_kv_start`` tokens (checked after each prefill chunk and step, as mlx-lm does;
     0: from the first chunk on). Requires ``prompt_cache`` (mlx-lm makes a fresh float cache otherwise).
-    The MLA latent caches reserve room for the prompt and ``max_tokens`` up front (``cache.reserve_cache``), so they
-    never regrow by copying.
     """
     if isinstance(prompt, str):
         prompt = tokenizer.encode(prompt)
@@ -125,9 +123,6 @@ def stream_generate(
     cached = next(iter(prompt_cache)).offset if prompt_cache else 0
     check_prompt(model, prompt, cached=cached)
     check_kv_settings(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
-    if prompt_cache is None:
-        prompt_cache = model.make_cache()
-    reserve_cache(prompt_cache, cached + prompt.size + max_tokens, model.args.model_max_length)
     sampler, processors = make_sampling(
         temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
@@ -224,7 +219,6 @@ def batch_generate(
     padding = [longest - len(p) for p in prompts]
     tokens = mx.array([[pad_id] * pad + list(p) for pad, p in zip(padding, prompts)])
     cache = model.make_cache(left_padding=padding)
-    reserve_cache(cache, longest + max_tokens, model.args.model_max_length)
     sampler = sampler or (lambda lp: mx.argmax(lp, axis=-1))
     out, steps = [[] for _ in prompts], []
     for start in range(0, longest - 1, prefill_step_size):

@@ -15,6 +15,9 @@ Layout (format ``kimi-mlx-prompt-cache``, version 1)::
               model, "" for a whole model), kv_bits and kv_group_size of the latent cache ("" for float), and
               "user.{key}" for caller metadata.
 
+The MLA latent is stored whole (the cache's pages concatenated when saving, a copy of it while the file is
+written); loading makes the pages views of the file's arrays (no copy).
+
 ``load_prompt_cache`` refuses, with an error naming the file and the mismatch, a file of another format or version,
 made for another architecture, layer schedule, config (the differing keys are named) or weights (a fingerprint of
 the norm weights and of any LoRA/DoRA adapter weights, which quantization and dtype casts leave within tolerance), or
@@ -105,7 +108,7 @@ def save_prompt_cache(
                 arrays[f"layers.{i}.conv_state"] = c.conv_state
                 arrays[f"layers.{i}.recurrent_state"] = c.recurrent_state
         elif c.offset:
-            for name, part in zip(("kv_latent", "k_pe"), c.fetch()):
+            for name, part in zip(("kv_latent", "k_pe"), c.whole()):
                 if isinstance(part, tuple):
                     part, arrays[f"layers.{i}.{name}.scales"], arrays[f"layers.{i}.{name}.biases"] = part
                 arrays[f"layers.{i}.{name}"] = part
@@ -241,8 +244,7 @@ def load_prompt_cache(
                 source, arrays, f"layers.{i}.recurrent_state", (batch, heads, cfg.kda_head_dim, cfg.kda_head_dim),
             )
         elif isinstance(c, MLALatentCache):
-            c.kv_latent, c.k_pe = (_expect_part(source, arrays, f"layers.{i}.{name}", (batch, 1, offset), width,
-                                                file_quant)
-                                   for name, width in (("kv_latent", cfg.kv_lora_rank), ("k_pe", cfg.qk_rope_head_dim)))
+            c.load(*(_expect_part(source, arrays, f"layers.{i}.{name}", (batch, 1, offset), width, file_quant)
+                     for name, width in (("kv_latent", cfg.kv_lora_rank), ("k_pe", cfg.qk_rope_head_dim))))
     user = {k[len("user.") :]: v for k, v in meta.items() if k.startswith("user.")}
     return PromptCache(cache, tokens.tolist(), user)

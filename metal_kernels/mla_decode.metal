@@ -14,11 +14,13 @@
 //   q_rot  [B, H, DR]  QT    scaled rope queries
 //   c_kv   [B, S, DL]  KT    cached latent keys = values
 //   k_pe   [B, S, DR]  KT    cached rope keys
-//   mask   [B, S]      bool  True = may attend (a 1-element placeholder when HAS_MASK is 0); every row must see a key
+//   mask   [B, S]      bool  True = may attend (a 1-element placeholder when HAS_MASK is 0); a row
+//                          that sees no key gets lse -inf and an undefined o_lat
 // outputs:
 //   o_lat  [B, H, DL]  QT    attention output in latent space (before unembed_out)
+//   lse    [B, H]      float log sum_s exp(score_s) over the visible keys (-inf when none): merges key segments
 // @inputs q_lat q_rot c_kv k_pe mask
-// @outputs o_lat
+// @outputs o_lat lse
 // @body
 constexpr int EL = (DL + 31) / 32;  // latent dims per lane
 constexpr int ER = (DR + 31) / 32;  // rope dims per lane
@@ -132,4 +134,7 @@ for (uint d = tid; d < DL; d += 32 * NSG) {
     acc += w[g] * sg_out[g * DL + d];
   }
   o_lat[row * DL + d] = static_cast<QT>(acc / total);
+}
+if (tid == 0) {
+  lse[row] = top == -INFINITY ? -INFINITY : top + metal::log(total);
 }

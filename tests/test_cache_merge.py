@@ -5,16 +5,29 @@ The reference for every row is that row alone on a cold cache: its prompt but th
 token per decode step (the same split, so the only difference is batching). Measured: merged and filtered batches
 decode bitwise like each row alone, a restored snapshot continues bitwise like the cold cache, and a row snapshotted
 from a left-padded batch is within 5.9e-6 (K3; 2.1e-6 Kimi Linear) of its prompt prefilled alone (the padded
-prefill's own float32 noise).
+prefill's own float32 noise). Every test runs with the default latent page size and with 3-position pages (the
+rows' 1-9 positions then span pages that merges, filters and snapshots must cut and re-stack at other offsets).
 """
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from kimi_mlx.cache import CacheSnapshot, KDACache, MLALatentCache, cache_from_snapshot, make_cache, merge_caches
+from kimi_mlx.cache import (CacheSnapshot, KDACache, LatentPage, MLALatentCache, cache_from_snapshot, make_cache,
+                            merge_caches)
 
 TOL = 1e-5
+
+
+@pytest.fixture(autouse=True, params=[4096, 3], ids=["page4096", "page3"])
+def page_size(request, monkeypatch):
+    monkeypatch.setattr(MLALatentCache, "page_size", request.param)
+    return request.param
+
+
+def _latent_shape(c: MLALatentCache) -> tuple:
+    """[B, 1, S] of the filled latent (all pages)."""
+    return c.whole()[0].shape[:3]
 
 
 def _tokens(model, n: int, seed: int) -> list[int]:
@@ -75,7 +88,7 @@ def test_merge_then_decode_matches_each_row_alone(arch):
     assert all(c.left_padding is merged[0].left_padding for c in merged)
     for c in merged:
         if isinstance(c, MLALatentCache):
-            assert c.kv_latent.shape[:3] == (4, 1, 8) and c.k_pe.shape[:3] == (4, 1, 8)
+            assert _latent_shape(c) == (4, 1, 8) and c.whole()[1].shape[:3] == (4, 1, 8)
         else:
             assert c.conv_state.shape[0] == 4 and c.recurrent_state.shape[0] == 4
     err = max(rows.decode(merged, [0, 1, 2, 3], step) for step in range(4))
@@ -92,7 +105,7 @@ def test_filter_then_decode_continues_exactly(arch):
     cache.filter([3, 1])
     assert cache.offset == 4 and all(c.offset == 4 for c in cache)
     assert cache[0].left_padding.tolist() == [2, 0] and cache.checkpoints == []
-    assert all(c.kv_latent.shape[:3] == (2, 1, 4) for c in cache if isinstance(c, MLALatentCache))
+    assert all(_latent_shape(c) == (2, 1, 4) for c in cache if isinstance(c, MLALatentCache))
     err = max(err, *(rows.decode(cache, [3, 1], step) for step in range(2, 5)))
     cache.filter([0])
     assert cache.offset == 5 and all(c.left_padding is None for c in cache)
@@ -162,7 +175,8 @@ def test_snapshot_then_continue_equals_cold_prefill(arch):
         _feed(model, cold, [prompt])
 
     empty = model.make_cache().snapshot()
-    assert empty.offset == 0 and empty.nbytes == 0 and all(s == (None, None) for s in empty.states)
+    assert empty.offset == 0 and empty.nbytes == 0
+    assert all(s == ((None, None) if kda else ()) for kda, s in zip(empty.kda_layers, empty.states))
     restored = cache_from_snapshot(empty)
     assert mx.array_equal(_feed(model, restored, [prompt]), _feed(model, model.make_cache(), [prompt]))
 
@@ -176,8 +190,11 @@ def test_snapshot_of_a_left_padded_row(arch):
     _feed(model, batch, [p, [0, 0, 0] + q])
     snap = batch.snapshot(1)
     assert snap.offset == 4 and batch.snapshot(0).offset == 7
-    for is_kda, (a, b) in zip(snap.kda_layers, snap.states):
-        assert a.shape[0] == 1 and b.shape[0] == 1 and (is_kda or (a.shape[2], b.shape[2]) == (4, 4))
+    for is_kda, state in zip(snap.kda_layers, snap.states):
+        if is_kda:
+            assert state[0].shape[0] == 1 and state[1].shape[0] == 1
+        else:
+            assert all(p.rows == 1 for p in state) and sum(p.size for p in state) == 4
     restored, cold = cache_from_snapshot(snap), model.make_cache()
     _feed(model, cold, [q])
     assert restored[0].left_padding is None
@@ -185,10 +202,10 @@ def test_snapshot_of_a_left_padded_row(arch):
     assert err <= TOL, err
 
 
-def test_snapshot_is_independent_of_its_caches():
-    """A snapshot keeps no cache buffer alive (once the caches are gone, far less than their 256-position MLA
-    buffer stays allocated), and neither the source cache nor a cache restored from it can write into it (MLX slice assignment rewrites its target
-    array in place: after a trim, ``update_and_fetch`` writes inside the existing buffer)."""
+def test_snapshot_is_independent_of_its_caches(page_size):
+    """A batch row's snapshot is a copy: it keeps no batch buffer alive (once the caches are gone, only its own bytes
+    stay allocated, far less than the 3-row batch), and neither the source cache nor a cache restored from it can
+    write into it, also after a trim (the next write lands inside an existing page)."""
     rng = np.random.default_rng(0)
 
     def rand(*shape):
@@ -205,16 +222,18 @@ def test_snapshot_is_independent_of_its_caches():
     cache = make_cache([False, True], left_padding=[2, 0, 1])
     fill(cache, 5)
     snap = cache.snapshot(1)
-    kept = [np.array(a) for s in snap.states for a in s]
-    assert snap.offset == 5 and snap.states[0][0].shape == (1, 1, 5, 512)
+    kept = [np.array(a) for h in snap.holders() for a in (h.arrays if isinstance(h, LatentPage) else [h])]
+    assert snap.offset == 5 and [p.size for p in snap.states[0]] == ([5] if page_size > 5 else [3, 2])
 
     cache[0].trim(3)
-    fill(cache, 2)  # writes positions 2-3 inside the source buffer
+    fill(cache, 2)  # writes positions 2-3 inside the source's pages
     restored = cache_from_snapshot(snap)
     restored[0].trim(3)
-    restored[0].update_and_fetch(rand(1, 1, 2, 512), rand(1, 1, 2, 64))  # inside the restored cache's buffer
+    restored[0].update_and_fetch(rand(1, 1, 2, 512), rand(1, 1, 2, 64))  # inside the snapshot's own pages
     mx.eval(restored[0].state)
-    assert all(np.array_equal(k, np.array(a)) for k, a in zip(kept, (a for s in snap.states for a in s)))
+    now = [np.array(a) for h in snap.holders() for a in (h.arrays if isinstance(h, LatentPage) else [h])]
+    assert all(np.array_equal(k, a) for k, a in zip(kept, now))
 
     del cache, restored
-    assert mx.get_active_memory() - before < 256 * 3 * (512 + 64) * 4 // 4
+    batch = 3 * -(-5 // page_size) * page_size * (512 + 64) * 4  # the batch's latent pages: 3 rows, 5 positions
+    assert mx.get_active_memory() - before <= snap.nbytes + 16384 < snap.nbytes + batch  # 16 KiB: index arrays

@@ -3,6 +3,7 @@
 Shapes (B batch, H heads, T queries, S keys, r = kv_lora_rank, dn = qk_nope, dr = qk_rope, dv = v_head_dim)::
 
     q_nope [B, H, T, dn]   q_pe [B, H, T, dr]   kv_latent (c_kv) [B, 1, S, r]   k_pe [B, 1, S, dr]
+    (or each a list of segments [B, 1, S_i, .] with sum S_i = S: a paged cache's pages, read where they lie)
     embed_q:     embed_q(x) [.., dn] -> [.., r] (= x W_kb);  embed_q(c, transpose=False) [B, 1, S, r] -> [B, H, S, dn]
     unembed_out: [.., r] -> [.., dv] per head (W_vb)
     mask: None, "causal" (queries are the last T positions of the S keys), ``LeftPaddedCausal`` (a left-padded batch,
@@ -11,12 +12,14 @@ Shapes (B batch, H heads, T queries, S keys, r = kv_lora_rank, dn = qk_nope, dr 
 
 score(t, s) = scale * (q_nope . k_nope_s + q_pe . k_pe_s) with k_nope_s = c_kv_s W_kb^T and v_s = c_kv_s W_vb^T.
 
-When S <= key_block (one block) this is the fused path the layer always had: ``mx.fast.scaled_dot_product_attention``
-absorbed in latent space for one query (the k_pe scores enter as an additive mask) and per-head expanded keys and
-values otherwise. Beyond one block the keys are visited ``key_block`` at a time with a running max / sum / output
-(float32), so the extra memory is O(H x T x key_block) (scores of one block, plus that block's expansion), whatever
-S is; the whole cache is never expanded per head. Every row must be allowed at least one key (our masks always let
-a query see itself); blocks a row may not see at all are cancelled exactly by the later rescale.
+When the keys are one segment of S <= key_block (one block) this is the fused path the layer always had:
+``mx.fast.scaled_dot_product_attention`` absorbed in latent space for one query (the k_pe scores enter as an
+additive mask) and per-head expanded keys and values otherwise. Beyond one block the keys are visited ``key_block``
+at a time, a block never spanning two segments (so the cache's pages are never concatenated), with a running max /
+sum / output (float32), so the extra memory is O(H x T x key_block) (scores of one block, plus that block's
+expansion), whatever S is; the whole cache is never expanded per head. Every row must be allowed at least one key
+(our masks always let a query see itself); blocks a row may not see at all are cancelled exactly by the later
+rescale.
 
 Absorbed vs expanded per key block (bench/bench_mla_attention.py, CPU, S=8192, key_block=512, float32): absorbed
 costs ~2(2r + dr) flops per query x key x head; expanded ~2(dn + dr + dv) per query x key x head plus 2r(dn + dv)
@@ -67,6 +70,7 @@ class LeftPaddedCausal:
 
 
 Mask = Union[None, str, mx.array, LeftPaddedCausal]
+Keys = Union[mx.array, tuple, list]  # one part (a float array or a quantized triple) or a list of segment parts
 
 
 def auto_key_block(B: int, H: int, T: int) -> int:
@@ -129,6 +133,25 @@ def _block(part, s0: int, s1: int):
     return tuple(a[:, :, s0:s1] for a in part) if isinstance(part, tuple) else part[:, :, s0:s1]
 
 
+def _width(part) -> int:
+    return (part[0] if isinstance(part, tuple) else part).shape[2]
+
+
+def segments(keys: Keys) -> list:
+    """The key segments of ``kv_latent`` / ``k_pe``: a list as given, or one part as a list of one."""
+    return keys if isinstance(keys, list) else [keys]
+
+
+def _blocks(widths: list[int], key_block: int):
+    """(segment index, start within it, absolute start, absolute end) of each key block: ``key_block`` keys at a
+    time inside each segment of ``widths``."""
+    base = 0
+    for i, w in enumerate(widths):
+        for b0 in range(0, w, key_block):
+            yield i, b0, base + b0, base + min(b0 + key_block, w)
+        base += w
+
+
 def _after(parts: tuple, done: list[mx.array]) -> tuple:
     """``parts`` (float arrays or quantized triples) made to wait for ``done``, the previous block's running state:
     else the lazy graph may compute every block's scores first and hold them all (memory O(S) again)."""
@@ -139,8 +162,8 @@ def _after(parts: tuple, done: list[mx.array]) -> tuple:
 def mla_attention(
     q_nope: mx.array,
     q_pe: mx.array,
-    kv_latent,
-    k_pe,
+    kv_latent: Keys,
+    k_pe: Keys,
     embed_q: Callable,
     unembed_out: Callable,
     scale: float,
@@ -153,24 +176,29 @@ def mla_attention(
     """Attention output [B, H, T, dv] (see the module docstring for shapes); ``key_block`` keys per block (None:
     ``auto_key_block``); ``absorbed`` forces the blockwise form (default: absorbed for T <= ``ABSORBED_MAX_QUERIES``).
 
-    ``quant`` = (bits, group_size): ``kv_latent`` / ``k_pe`` may be ``mx.quantize`` triples (codes, scales, biases)
-    of a quantized cache (a part its group size does not divide stays float). They are read as stored: absorbed
-    blocks by ``mx.quantized_matmul`` (scores with ``transpose=True``, the weighted sum with ``False``), expanded
-    blocks dequantized one block at a time; never the whole cache at once."""
+    ``kv_latent`` / ``k_pe``: one part each, or lists of segments (the pages of a paged cache, ``fetch()``), of the
+    same widths; a block never spans two segments.
+
+    ``quant`` = (bits, group_size): the parts may be ``mx.quantize`` triples (codes, scales, biases) of a quantized
+    cache (a part its group size does not divide stays float). They are read as stored: absorbed blocks by
+    ``mx.quantized_matmul`` (scores with ``transpose=True``, the weighted sum with ``False``), expanded blocks
+    dequantized one block at a time; never the whole cache at once."""
     B, H, T, _ = q_nope.shape
-    S = (kv_latent[0] if isinstance(kv_latent, tuple) else kv_latent).shape[2]
+    kv_latent, k_pe = segments(kv_latent), segments(k_pe)
+    widths = [_width(c) for c in kv_latent]
+    S = sum(widths)
     key_block = key_block or auto_key_block(B, H, T)
     if absorbed is None:
         absorbed = T <= ABSORBED_MAX_QUERIES
-    whole_mask = mask.block(T, S, 0, S) if isinstance(mask, LeftPaddedCausal) else mask  # fused / kernel: [B, 1, T, S]
     if quant is None and absorbed and metal.enabled():
-        # Metal: the absorbed form as one kernel launch (ops/mla_attention_metal.py), whatever S; the pure path's
-        # gradients.
+        # Metal: the absorbed form as one kernel launch per segment (ops/mla_attention_metal.py), whatever S; the
+        # pure path's gradients.
         return mla_attention_metal.mla_attention_metal(
-            q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, whole_mask
+            q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, mask
         )
-    if quant is None and S <= key_block:
-        return _fused(q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, whole_mask)
+    if quant is None and len(kv_latent) == 1 and S <= key_block:
+        whole_mask = mask.block(T, S, 0, S) if isinstance(mask, LeftPaddedCausal) else mask  # [B, 1, T, S]
+        return _fused(q_nope, q_pe, kv_latent[0], k_pe[0], embed_q, unembed_out, scale, whole_mask)
     if absorbed:
         # One shared latent "head": fold heads into the query axis so each block is one matmul for all heads.
         q_lat = (embed_q(q_nope) * scale).reshape(B, 1, H * T, -1)
@@ -178,9 +206,8 @@ def mla_attention(
     else:
         q_nope, q_pe = q_nope * scale, q_pe * scale
     m = l = acc = None
-    for s0 in range(0, S, key_block):
-        s1 = min(s0 + key_block, S)
-        c, kr = _block(kv_latent, s0, s1), _block(k_pe, s0, s1)
+    for i, b0, s0, s1 in _blocks(widths, key_block):
+        c, kr = _block(kv_latent[i], b0, b0 + s1 - s0), _block(k_pe[i], b0, b0 + s1 - s0)
         if acc is not None:
             c, kr = _after((c, kr), [m, l, acc])
         if absorbed:

@@ -2,15 +2,18 @@
 ``metal_kernels/mla_prefill.metal``), the same op as the absorbed form of ``kimi_mlx.ops.mla_attention``.
 
 Shapes as in ``ops/mla_attention.py``: q_nope ``[B, H, T, dn]``, q_pe ``[B, H, T, dr]``, kv_latent (c_kv)
-``[B, 1, S, r]``, k_pe ``[B, 1, S, dr]``; mask None, ``"causal"`` (the queries are the last T of the S positions) or
-bool broadcastable to ``[B, 1, T, S]`` (True = may attend; every query must see at least one key).
+``[B, 1, S, r]``, k_pe ``[B, 1, S, dr]``, or each a list of segments (a paged cache's pages); mask None,
+``"causal"`` (the queries are the last T of the S positions), ``LeftPaddedCausal`` or bool broadcastable to
+``[B, 1, T, S]`` (True = may attend; every query must see at least one key).
 
 The host computes ``q_lat = embed_q(q_nope) * scale`` and ``q_rot = q_pe * scale`` (as the pure absorbed path does),
 a kernel computes the latent output ``softmax(q_lat c_kv^T + q_rot k_pe^T) c_kv`` with an online softmax over blocks
 of 32 keys (float32 running max / sum / output, never a [T, S] score matrix), and ``unembed_out`` maps it to
 ``[B, H, T, dv]``. ``mla_decode`` (T = 1) splits the keys of one (sequence, head) row across the SIMD-groups of a
 threadgroup and merges their states in threadgroup memory; ``mla_prefill`` gives each query row one SIMD-group that
-scans its visible keys (a causal row stops at its last one).
+scans its visible keys (a causal row stops at its last one). Both also return each row's log-sum-exp of its scores,
+so keys in several segments (pages, which are never concatenated) take one launch per segment, with float32
+outputs, merged by their log-sum-exps (``mla_latent_attention_segments``).
 
 Custom kernels have no VJP: ``mla_attention_metal`` wraps the launch in ``kimi_mlx.metal.with_reference_vjp`` around
 the latent part only (q_lat, q_rot, c_kv, k_pe), whose backward is the pure path's; embed_q / unembed_out stay
@@ -27,7 +30,8 @@ import mlx.core as mx
 from .. import metal
 from . import mla_attention as _pure
 
-__all__ = ["DECODE_KERNEL", "PREFILL_KERNEL", "mla_attention_metal", "mla_latent_attention_metal"]
+__all__ = ["DECODE_KERNEL", "PREFILL_KERNEL", "mla_attention_metal", "mla_latent_attention_metal",
+           "mla_latent_attention_segments"]
 
 DECODE_KERNEL = "mla_decode"  # one query per (sequence, head), keys split across SIMD-groups
 PREFILL_KERNEL = "mla_prefill"  # T queries, one SIMD-group per query row
@@ -43,7 +47,7 @@ def _identity(x: mx.array, transpose: bool = True) -> mx.array:
 
 def _latent_pure(q_lat, q_rot, kv_latent, k_pe, mask):
     """The pure path of the latent part: ``mla_attention`` on prescaled latent queries, identity embed/unembed
-    (kernels off: ``mla_attention`` dispatches here when they are on)."""
+    (kernels off: ``mla_attention`` dispatches here when they are on); keys as one part or segment lists."""
     with metal.disabled():
         return _pure.mla_attention(q_lat, q_rot, kv_latent, k_pe, _identity, _identity, 1.0, mask, absorbed=True)
 
@@ -61,6 +65,12 @@ def mla_latent_attention_metal(
     """One kernel launch: latent attention output ``[B, H, T, r]`` in q_lat's dtype for scaled queries q_lat
     ``[B, H, T, r]`` and q_rot ``[B, H, T, dr]``. ``decode`` picks ``mla_decode`` (needs T = 1; default when T = 1)
     or ``mla_prefill``; ``simdgroups`` per threadgroup (1..32). Kernels must be enabled (``kimi_mlx.metal``)."""
+    return _launch(q_lat, q_rot, kv_latent, k_pe, mask, decode, simdgroups)[0]
+
+
+def _launch(q_lat, q_rot, kv_latent, k_pe, mask, decode, simdgroups) -> tuple[mx.array, mx.array]:
+    """One launch of ``mla_latent_attention_metal``: (o_lat ``[B, H, T, r]`` in q_lat's dtype, the rows'
+    log-sum-exp ``[B, H, T]`` float32, -inf for a row that sees no key)."""
     B, H, T, r = q_lat.shape
     S, dr = kv_latent.shape[2], k_pe.shape[-1]
     if q_rot.shape != (B, H, T, dr) or kv_latent.shape != (B, 1, S, r) or k_pe.shape != (B, 1, S, dr):
@@ -80,6 +90,8 @@ def mla_latent_attention_metal(
     kernel = metal.kernel(name)
     if kernel is None:
         raise RuntimeError("mla_latent_attention_metal: Metal kernels are not enabled (see kimi_mlx.metal.enabled)")
+    if isinstance(mask, _pure.LeftPaddedCausal):
+        mask = mask.block(T, S, 0, S)
     causal = isinstance(mask, str)
     if causal and mask != "causal":
         raise ValueError(f"mla_latent_attention_metal: mask must be None, 'causal' or a bool array, got {mask!r}")
@@ -94,22 +106,57 @@ def mla_latent_attention_metal(
     else:
         template += [("CAUSAL", causal), ("HAS_MASK", has_mask)]
         grid = (32 * simdgroups, -(-(T * H) // simdgroups), B)
-    (out,) = kernel(
+    out, lse = kernel(
         inputs=inputs,
         template=template,
         grid=grid,
         threadgroup=(32 * simdgroups, 1, 1),
-        output_shapes=[(B, H, T, r)],
-        output_dtypes=[q_lat.dtype],
+        output_shapes=[(B, H, T, r), (B, H, T)],
+        output_dtypes=[q_lat.dtype, mx.float32],
     )
-    return out
+    return out, lse
+
+
+def mla_latent_attention_segments(
+    q_lat: mx.array,
+    q_rot: mx.array,
+    kv_latent: _pure.Keys,
+    k_pe: _pure.Keys,
+    mask: _pure.Mask = None,
+    *,
+    simdgroups: int = 8,
+) -> mx.array:
+    """``mla_latent_attention_metal`` over keys given as one part or as lists of segments ``[B, 1, S_i, ·]`` (a
+    paged cache's pages): one launch per segment, with float32 outputs merged by the rows' log-sum-exps (a segment
+    a row cannot see at all weighs 0), then cast to q_lat's dtype. One segment: one launch, as
+    ``mla_latent_attention_metal``."""
+    segments, pes = _pure.segments(kv_latent), _pure.segments(k_pe)
+    if len(segments) == 1:
+        return mla_latent_attention_metal(q_lat, q_rot, segments[0], pes[0], mask, simdgroups=simdgroups)
+    T, S = q_lat.shape[2], sum(c.shape[2] for c in segments)
+    q32, r32 = q_lat.astype(mx.float32), q_rot.astype(mx.float32)
+    outs, lses, s0 = [], [], 0
+    for c, kr in zip(segments, pes):
+        s1 = s0 + c.shape[2]
+        # the last segment ends at S: a causal mask there is the kernel's own; elsewhere the block's bool mask
+        seg_mask = "causal" if mask == "causal" and s1 == S else _pure._block_mask(mask, T, S, s0, s1)
+        out, lse = _launch(q32, r32, c, kr, seg_mask, T == 1, simdgroups)
+        outs.append(out)
+        lses.append(lse)
+        s0 = s1
+    top = mx.logsumexp(mx.stack(lses), axis=0)  # [B, H, T]: every row sees some key in some segment
+    acc = 0.0
+    for out, lse in zip(outs, lses):
+        w = mx.exp(lse - top)[..., None]
+        acc = acc + w * mx.where(w > 0, out, 0.0)  # an unseen segment's output is undefined (0 / 0)
+    return acc.astype(q_lat.dtype)
 
 
 def mla_attention_metal(
     q_nope: mx.array,
     q_pe: mx.array,
-    kv_latent: mx.array,
-    k_pe: mx.array,
+    kv_latent: _pure.Keys,
+    k_pe: _pure.Keys,
     embed_q: Callable,
     unembed_out: Callable,
     scale: float,
@@ -118,11 +165,14 @@ def mla_attention_metal(
     simdgroups: int = 8,
 ) -> mx.array:
     """``mla_attention`` (same arguments and result ``[B, H, T, dv]``) through the kernels: ``mla_decode`` for one
-    query, ``mla_prefill`` otherwise; gradients are the pure path's."""
+    query, ``mla_prefill`` otherwise, one launch per key segment; gradients are the pure path's."""
     q_lat = embed_q(q_nope) * scale
     q_rot = (q_pe * scale).astype(q_lat.dtype)
+    segments, pes = _pure.segments(kv_latent), _pure.segments(k_pe)
+    n = len(segments)
     op = metal.with_reference_vjp(
-        lambda *a: [mla_latent_attention_metal(*a, mask, simdgroups=simdgroups)],
-        lambda *a: [_latent_pure(*a, mask)],
+        lambda q, qr, *kv: [mla_latent_attention_segments(q, qr, list(kv[:n]), list(kv[n:]), mask,
+                                                          simdgroups=simdgroups)],
+        lambda q, qr, *kv: [_latent_pure(q, qr, list(kv[:n]), list(kv[n:]), mask)],
     )
-    return unembed_out(op(q_lat, q_rot, kv_latent, k_pe)[0])
+    return unembed_out(op(q_lat, q_rot, *segments, *pes)[0])

@@ -208,7 +208,7 @@ def _depend_on(layer_cache, x: mx.array) -> None:
     if isinstance(layer_cache, KDACache):
         layer_cache.recurrent_state = mx.depends(layer_cache.recurrent_state, x)
     else:
-        layer_cache.kv_latent = mx.depends(layer_cache.kv_latent, x)
+        layer_cache.depend_on(x)
 
 
 class _Lockstep:

@@ -284,8 +284,8 @@ class IdleMLA(nn.Module):
         out = mx.zeros_like(x)
         if cache is not None:
             kv_latent, k_pe = mx.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank], axis=-1)
-            kept = cache.update_and_fetch(self.kv_a_layernorm(kv_latent)[:, None], k_pe[:, None])
-            out = mx.depends(out, list(kept))  # evaluating the output evaluates the cache update
+            cache.update_and_fetch(self.kv_a_layernorm(kv_latent)[:, None], k_pe[:, None])
+            out = mx.depends(out, cache.state)  # evaluating the output evaluates the cache update
         return self.all_sum(out)
 
 

@@ -7,6 +7,10 @@ itself and drops what rank 0 evicted (``remove``).
 
 Eviction frees the least recently used entries first, "system" entries (system prompt + tool declarations, shared
 by conversations) only after every other kind.
+
+Bytes are counted once per holder (``CacheSnapshot.holders``): the snapshots of one conversation share their full
+latent pages (the same ``LatentPage`` objects), so a page held by several entries counts once, and removing an entry
+frees only what no other entry holds.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ class _Node:
 
 
 class PrefixCache:
-    """Radix tree of snapshots. budget_bytes: the most snapshot bytes kept (None: no limit, never evicts)."""
+    """Radix tree of snapshots. budget_bytes: the most bytes kept, shared pages counted once (None: no limit, never
+    evicts); ``nbytes``: the bytes held now."""
 
     def __init__(self, budget_bytes: Optional[int]):
         if budget_bytes is not None and budget_bytes < 0:
@@ -60,6 +65,7 @@ class PrefixCache:
         self._nodes: dict[int, _Node] = {}  # entry id -> its node
         self._ids = itertools.count()
         self._clock = itertools.count(1)
+        self._held: dict[int, list] = {}  # id(holder) -> [holder, number of entries holding it]
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -89,12 +95,13 @@ class PrefixCache:
         if old is None:
             entry = Entry(next(self._ids), len(tokens), snap, kind, next(self._clock))
         else:
-            self.nbytes -= old.snapshot.nbytes
             kind = "system" if "system" in (old.kind, kind) else kind
             entry = Entry(old.id, len(tokens), snap, kind, next(self._clock))
+        self._hold(snap)
+        if old is not None:
+            self._release(old.snapshot)
         node.entry = entry
         self._nodes[entry.id] = node
-        self.nbytes += snap.nbytes
         return entry.id, self._evict(keep=entry.id)
 
     def lookup(self, tokens: Sequence[int], limit: int) -> Optional[Entry]:
@@ -124,7 +131,7 @@ class PrefixCache:
         for id in ids:
             node = self._nodes.pop(id, None)
             if node is not None:
-                self.nbytes -= node.entry.snapshot.nbytes
+                self._release(node.entry.snapshot)
                 node.entry = None
                 self._prune(node)
 
@@ -137,6 +144,21 @@ class PrefixCache:
             "misses": self.misses,
             "tokens_reused": self.tokens_reused,
         }
+
+    def _hold(self, snap: CacheSnapshot) -> None:
+        for h in snap.holders():
+            held = self._held.setdefault(id(h), [h, 0])
+            if held[1] == 0:
+                self.nbytes += h.nbytes
+            held[1] += 1
+
+    def _release(self, snap: CacheSnapshot) -> None:
+        for h in snap.holders():
+            held = self._held[id(h)]
+            held[1] -= 1
+            if held[1] == 0:
+                del self._held[id(h)]
+                self.nbytes -= h.nbytes
 
     def _evict(self, keep: int) -> list[int]:
         """Remove entries other than ``keep`` until the budget holds: other kinds by least recent use, then

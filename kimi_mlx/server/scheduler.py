@@ -401,7 +401,8 @@ class Scheduler:
                     self._snapshot(prompt[: row.done], row.cache, 0, row.stops[row.done])
             if row.done == end:
                 self._waiting.remove(row)
-                self._batch = row.cache if self._batch is None else merge_caches([self._batch, row.cache])
+                self._batch = row.cache if self._batch is None else merge_caches(
+                    [self._batch, row.cache], keep_row_pages=self.prefix_cache is not None)  # reply snapshots share
                 row.cache = None
                 self._running.append(row)
             if budget <= 0:
