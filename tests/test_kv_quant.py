@@ -120,7 +120,8 @@ def test_bytes_equal_the_formula(arch, bits, group):
     for t in tokens[37:]:
         _feed(model, cache, [[t]])
     mla = [c for c in cache if isinstance(c, QuantizedMLALatentCache)]
-    assert mla and all(isinstance(c.kv_latent, tuple) and isinstance(c.k_pe, tuple) == (group == 32) for c in mla)
+    assert mla and all(isinstance(p.kv_latent, tuple) and isinstance(p.k_pe, tuple) == (group == 32)
+                       for c in mla for p in c.pages)
     assert cache.nbytes == cache_bytes(model.args, 40, act_bytes=4, kv_bits=bits, kv_group_size=group)
 
 
