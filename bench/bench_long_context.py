@@ -14,11 +14,11 @@ mlx-lm's ``prefill_step_size``) into a fresh cache, timed; then ``--decode-steps
   keeps): the quantity that must not grow with the context;
 - cache: bytes held by the cache after the prefill.
 
-kimi-mlx's caches reserve room for the prompt and the decode steps up front, as its generators do
-(``kimi_mlx.cache.reserve_cache``); without it every growth of the latent cache copies it, a transient of the cache's
-size. mlx-lm's caches grow by copying (its own behaviour).
+Both start from a fresh cache with nothing set aside, as any caller's: kimi-mlx's latent cache grows by pages
+(``kimi_mlx.cache``, nothing copied); mlx-lm's caches grow by copying (its own behaviour).
 
     python bench/bench_long_context.py --models tiny --sizes 8192 32768 131072 262144
+    python bench/bench_long_context.py --models tiny --impls kimi-mlx --page-size 16384   # another latent page size
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python bench/bench_long_context.py --models bench --sizes 8192 32768
 
 Prints the BLAS in use, one line per measurement, and a table per model with the kimi-mlx / mlx-lm ratios (float
@@ -80,20 +80,20 @@ def cache_nbytes(cache) -> int:
     return sum(c.nbytes for c in cache)
 
 
-def measure(impl: str, path: Path, size: int, chunk: int, decode_steps: int) -> dict:
-    """One measurement in this process (see the module doc)."""
+def measure(impl: str, path: Path, size: int, chunk: int, decode_steps: int, page_size: int = 0) -> dict:
+    """One measurement in this process (see the module doc); ``page_size`` > 0: kimi-mlx's latent page size."""
     from mlx.utils import tree_flatten
 
+    if page_size and impl.startswith("kimi-mlx"):
+        from kimi_mlx.cache import MLALatentCache
+
+        MLALatentCache.page_size = page_size
     model, vocab, make_cache = load(impl, path)
     if make_cache is None:
         return {"error": "no quantized cache (make_cache has no kv_bits)"}
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     tokens = mx.array(np.random.default_rng(0).integers(0, vocab, (1, size)))
     cache = make_cache()
-    if impl.startswith("kimi-mlx"):  # as kimi-mlx's generators do: room for prompt + reply at the first allocation
-        from kimi_mlx.cache import reserve_cache
-
-        reserve_cache(cache, size + decode_steps + 1)
     mx.clear_cache()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
@@ -117,7 +117,7 @@ def measure(impl: str, path: Path, size: int, chunk: int, decode_steps: int) -> 
 def run_one(impl: str, path: Path, size: int, args) -> dict:
     """``measure`` in a fresh process; a failure (exit, timeout) is recorded with its last words."""
     cmd = [sys.executable, __file__, "--one", impl, str(path), str(size), "--chunk", str(args.chunk),
-           "--decode-steps", str(args.decode_steps)]
+           "--decode-steps", str(args.decode_steps), "--page-size", str(args.page_size)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -139,6 +139,7 @@ def main(argv=None) -> int:
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=0, help="kimi-mlx's latent page size (0: the library's)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per measurement")
     p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("KIMI_BENCH_CACHE",
                                                                        Path.home() / ".cache/kimi_mlx_bench")))
@@ -146,11 +147,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.one:
         impl, path, size = args.one
-        print(json.dumps(measure(impl, Path(path), int(size), args.chunk, args.decode_steps)))
+        print(json.dumps(measure(impl, Path(path), int(size), args.chunk, args.decode_steps, args.page_size)))
         return 0
     from bench_vs_mlx_lm import blas_in_use
 
-    print(f"BLAS: {blas_in_use()}; mlx {mx.__version__}; chunk {args.chunk}, {args.decode_steps} decode steps")
+    from kimi_mlx.cache import PAGE_SIZE
+
+    print(f"BLAS: {blas_in_use()}; mlx {mx.__version__}; chunk {args.chunk}, {args.decode_steps} decode steps; "
+          f"kimi-mlx latent pages of {args.page_size or PAGE_SIZE} positions")
     for name in args.models:
         path = model_dir(name, args.cache_dir)
         rows = {}

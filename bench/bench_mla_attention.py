@@ -10,7 +10,11 @@ and each blockwise median as a ratio of the fused one (<1 = faster). float32, th
     python bench/bench_mla_attention.py [--seq 8192] [--key-block 512] [--reps 5]
     python bench/bench_mla_attention.py --memory   # tiny Kimi Linear, float32, 2048-token chunks: 8K vs 64K
     python bench/bench_mla_attention.py --long     # decode after a 16K-token prefill (64-key blocks) vs full forward
+    python bench/bench_mla_attention.py --pages --queries 1 128 2048 [--seqs ...] [--page-sizes ...]
 
+--pages times attention over keys stored as pages (the paged latent cache: one key segment per page, never
+concatenated; the layers' default key blocks) against the same keys in one array (the cache before paging), e.g.
+for decode (T=1), a short absorbed chunk (T=128) and an expanded prefill chunk (T=2048): the page-size choice.
 --memory and --long use the helpers of tests/test_mla_blockwise.py (which checks scaled-down versions of both).
 """
 
@@ -52,16 +56,42 @@ def long_context(memory: bool) -> None:
 
     model, _ = load_model(KL_FIXTURE / "hf", dtype=mx.float32)
     if memory:
-        for key_block in (t.mla_ops.KEY_BLOCK, t.FUSED):
-            t.set_key_block(model, key_block)
-            mib = [t.chunk_transient_memory(model, n, 2048) / 2**20 for n in (8192, 65536)]
-            print(f"key_block {key_block}: 2048-token chunk after 8K {mib[0]:.1f} MiB, after 64K {mib[1]:.1f} MiB "
-                  f"(ratio {mib[1] / mib[0]:.2f})")
+        t.set_key_block(model, None)
+        for kv in ({}, {"kv_bits": 8, "kv_group_size": 64}):
+            mib = [t.chunk_transient_memory(model, n, 2048, **kv) / 2**20 for n in (8192, 65536)]
+            print(f"{'8-bit' if kv else 'float'} latent cache (fresh make_cache, default key blocks): 2048-token chunk "
+                  f"after 8K {mib[0]:.1f} MiB, after 64K {mib[1]:.1f} MiB (ratio {mib[1] / mib[0]:.2f})")
     else:
         t0 = time.perf_counter()
         err = t.decode_vs_full(model, 16381, 2048, 64)
         print(f"16K prefill (2048-token chunks, 64-key blocks) + 3 decode steps vs full forward: "
               f"max |diff| / max |logit| {err:.2e}, {time.perf_counter() - t0:.1f} s")
+
+
+def pages(seqs: list[int], page_sizes: list[int], queries: list[int], reps: int) -> None:
+    """Paged keys (one segment per page) vs the same keys in one array, default key blocks (see the module doc)."""
+    mx.random.seed(0)
+    print(f"device {mx.default_device()}, float32, median of {reps}; time with pages / time with one array")
+    for name, (H, r, dn, dr, dv) in CONFIGS.items():
+        embed_q, unembed_out = MultiLinear(dn, r, H), MultiLinear(r, dv, H)
+        print(f"\n{name}: H={H} r={r}")
+        print(f"{'S':>7} {'T':>5} {'one array ms':>13} " + " ".join(f"{'P=' + str(p):>8}" for p in page_sizes))
+        for S in seqs:
+            c, kr = mx.random.normal((1, 1, S, r)), mx.random.normal((1, 1, S, dr))
+            paged = {p: ([mx.contiguous(c[:, :, i : i + p]) for i in range(0, S, p)],
+                         [mx.contiguous(kr[:, :, i : i + p]) for i in range(0, S, p)]) for p in page_sizes}
+            mx.eval(c, kr, paged)
+            for T in queries:
+                qn, qp = mx.random.normal((1, H, T, dn)), mx.random.normal((1, H, T, dr))
+                mask = None if T == 1 else "causal"
+                mx.eval(qn, qp)
+
+                def run(keys, pes):
+                    return lambda: mla_attention(qn, qp, keys, pes, embed_q, unembed_out, dn ** -0.5, mask)
+
+                whole = median_s(run(c, kr), reps)
+                ratios = [median_s(run(*paged[p]), reps) / whole for p in page_sizes]
+                print(f"{S:>7} {T:>5} {whole * 1e3:>13.2f} " + " ".join(f"{x:>8.2f}" for x in ratios), flush=True)
 
 
 def main() -> None:
@@ -72,9 +102,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--memory", action="store_true", help="prefill chunk memory at 8K vs 64K tokens")
     ap.add_argument("--long", action="store_true", help="decode after a 16K-token prefill vs a full forward")
+    ap.add_argument("--pages", action="store_true", help="paged keys vs one array, per page size")
+    ap.add_argument("--seqs", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--page-sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     args = ap.parse_args()
     if args.memory or args.long:
         return long_context(args.memory)
+    if args.pages:
+        return pages(args.seqs, args.page_sizes, args.queries, args.reps)
     S, kb = args.seq, args.key_block
     mx.random.seed(0)
     print(f"device {mx.default_device()}, S={S} cached keys, key_block={kb}, float32, median of {args.reps}")

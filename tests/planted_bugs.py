@@ -293,8 +293,8 @@ BUGS: tuple[PlantedBug, ...] = (
     # -- server caches (issue 13)
     PlantedBug(
         "server cache: merge_caches puts a shorter cache's zero MLA latents after its positions, not in front",
-        (("kimi_mlx/cache.py", "mx.concatenate([mx.zeros((*a.shape[:2], n, a.shape[3]), a.dtype), a], axis=2)",
-          "mx.concatenate([a, mx.zeros((*a.shape[:2], n, a.shape[3]), a.dtype)], axis=2)"),),
+        (("kimi_mlx/cache.py", "stacked.append(tuple(_cat([q[j] for q in pieces], axis=2) for j in range(2)))",
+          "stacked.append(tuple(_cat([q[j] for q in pieces[::-1]], axis=2) for j in range(2)))"),),
         ("tests/test_cache_merge.py::test_merge_then_decode_matches_each_row_alone",),
     ),
     PlantedBug(
@@ -308,10 +308,11 @@ BUGS: tuple[PlantedBug, ...] = (
         ("tests/test_cache_merge.py::test_filter_then_decode_continues_exactly",),
     ),
     PlantedBug(
-        "server cache: cache_from_snapshot hands the snapshot's own MLA arrays to the cache (a write after a trim "
-        "alters the snapshot)",
-        (("kimi_mlx/cache.py", "c.kv_latent, c.k_pe = _map(a, mx.array), _map(b, mx.array)", "c.kv_latent, c.k_pe = a, b"),),
-        ("tests/test_cache_merge.py::test_snapshot_is_independent_of_its_caches",),
+        "latent cache: a page is written in place (a snapshot or cache sharing it sees the write)",
+        (("kimi_mlx/cache.py", "lambda x, y: mx.slice_update(x, y, start, (2,))",
+          "lambda x, y: x.__setitem__((slice(None), slice(None), slice(at, at + y.shape[2])), y) or x"),),
+        ("tests/test_cache_merge.py::test_snapshot_is_independent_of_its_caches",
+         "tests/test_cache_pages.py::test_snapshot_shares_full_pages_and_copies_the_partial_one"),
     ),
     PlantedBug(
         "prefix cache: eviction is plain LRU (system entries not kept longest)",
@@ -406,11 +407,52 @@ BUGS: tuple[PlantedBug, ...] = (
         (("metal_kernels/ggml_matvec.metal", "acc = simd_sum(acc);", "acc = acc;"),),
         ("tests/test_metal_ggml.py::test_matvec_plain_and_gathered",),
     ),
+    # -- paged latent cache (issue 20 item 3)
     PlantedBug(
-        "latent cache: reserve() is ignored, a long prefill regrows the cache by copying",
-        (("kimi_mlx/cache.py", "grow = ((max(n, self.reserved - prev) + self.step - 1) // self.step) * self.step",
-          "grow = ((n + self.step - 1) // self.step) * self.step"),),
-        ("tests/test_mla_blockwise.py::test_reserved_cache_allocates_once",),
+        "latent cache: grows by copying (one page as long as the cache, regrown at every write)",
+        (("kimi_mlx/cache.py", "P, n, done = self.page_size, kv_latent.shape[2], 0",
+          "P, n, done = self.offset + kv_latent.shape[2], kv_latent.shape[2], 0"),),
+        ("tests/test_mla_blockwise.py::test_prefill_memory_independent_of_context",
+         "tests/test_mla_blockwise.py::test_growth_adds_pages_and_keeps_the_others"),
+    ),
+    PlantedBug(
+        "latent cache: attention reads the pages concatenated (a copy of the cache at every step)",
+        (("kimi_mlx/cache.py", "        return [s[0] for s in segments], [s[1] for s in segments]\n",
+          "        return [_cat([s[0] for s in segments], 2)], [_cat([s[1] for s in segments], 2)]\n"),),
+        ("tests/test_mla_blockwise.py::test_prefill_memory_independent_of_context",),
+    ),
+    PlantedBug(
+        "latent cache: a snapshot copies the full pages it could share",
+        (("kimi_mlx/cache.py", "            out.append(page)\n",
+          "            out.append(LatentPage(*(_map(p, mx.array) for p in (page.kv_latent, page.k_pe))))\n"),),
+        ("tests/test_cache_pages.py::test_snapshot_shares_full_pages_and_copies_the_partial_one",
+         "tests/test_cache_pages.py::test_prefix_cache_counts_shared_pages_once"),
+    ),
+    PlantedBug(
+        "latent cache: a merge keeps no row pages (a merged row's snapshot copies its prompt's pages again)",
+        (("kimi_mlx/cache.py", "        return [tuple(cache.pages[: cache.offset // cache.page_size])]\n",
+          "        return [()]\n"),),
+        ("tests/test_cache_pages.py::test_merged_rows_share_their_pages_with_their_snapshots",
+         "tests/test_cache_pages.py::test_server_conversation_holds_each_page_once"),
+    ),
+    PlantedBug(
+        "prefix cache: a page shared by several entries is counted once per entry",
+        (("kimi_mlx/server/prefix_cache.py", "held = self._held.setdefault(id(h), [h, 0])",
+          "held = self._held.setdefault((id(snap), id(h)), [h, 0])"),
+         ("kimi_mlx/server/prefix_cache.py", "held = self._held[id(h)]", "held = self._held[id(snap), id(h)]"),
+         ("kimi_mlx/server/prefix_cache.py", "del self._held[id(h)]", "del self._held[id(snap), id(h)]")),
+        ("tests/test_prefix_cache.py", "tests/test_cache_pages.py::test_prefix_cache_counts_shared_pages_once"),
+    ),
+    PlantedBug(
+        "MLA Metal: pages merged by a plain average, not by their log-sum-exps",
+        (("kimi_mlx/ops/mla_attention_metal.py", "w = mx.exp(lse - top)[..., None]",
+          "w = mx.ones_like(lse)[..., None] / len(outs)"),),
+        ("tests/test_metal_mla_attention.py::test_segments_match_the_pure_path_over_the_whole_cache",),
+    ),
+    PlantedBug(
+        "MLA Metal: mla_prefill's log-sum-exp drops the log of the sum",
+        (("metal_kernels/mla_prefill.metal", "lse[row] = m + metal::log(l);", "lse[row] = m;"),),
+        ("tests/test_metal_mla_attention.py::test_log_sum_exp_output",),
     ),
     PlantedBug(
         "left-padded MLA mask hides each row's first real token",

@@ -11,7 +11,7 @@ from mlx_lm.models.mla import MultiLinear
 
 from kimi_mlx import metal
 from kimi_mlx.ops.mla_attention import LeftPaddedCausal, mla_attention
-from kimi_mlx.ops.mla_attention_metal import _launch, mla_attention_metal, mla_latent_attention_metal
+from kimi_mlx.ops.mla_attention_metal import mla_attention_metal, mla_latent_attention_metal
 
 DECODE, PREFILL = "kimi_mla_decode", "kimi_mla_prefill"
 
@@ -184,7 +184,7 @@ def test_log_sum_exp_output(T, kernels):
     q_lat, q_rot = embed_q(q_nope) * scale, q_pe * scale
     visible = mx.arange(S)[None, None, None, :] >= mx.array([0, 40])[:, None, None, None]  # row 1 sees nothing
     with kernels.active():
-        _, lse = _launch(q_lat, q_rot, c, kr, visible, None, 2)
+        _, lse = mla_latent_attention_metal(q_lat, q_rot, c, kr, visible, simdgroups=2, with_lse=True)
         mx.eval(lse)
     scores = np.array(q_lat @ c.swapaxes(-1, -2) + q_rot @ kr.swapaxes(-1, -2)).astype(np.float64)  # [B, H, T, S]
     want = np.log(np.exp(scores[0]).sum(-1))

@@ -1,7 +1,9 @@
 """``PrefixCache``: the radix tree of cache snapshots (lookups, limits, edge splits and folds), refreshes, the byte
 budget and its eviction order, and the insertion-ordered ids that keep ranks in agreement.
 
-Snapshots here are stand-ins of a chosen size (one float32 array); the tree only reads ``offset`` and ``nbytes``.
+Snapshots here are stand-ins of a chosen size (float32 arrays as KDA states); the tree reads ``offset`` and what
+holds memory (``holders``, counted once however many entries share one; real snapshots share latent pages:
+tests/test_cache_pages.py).
 """
 
 import mlx.core as mx
@@ -114,6 +116,31 @@ def test_oversize_snapshot_is_not_stored():
     again, evicted = cache.insert([1, 2], _snap(2, 1004), "system")
     assert (again, evicted) == (a, [a]) and len(cache) == 0 and cache.nbytes == 0
     assert cache.insert([1], _snap(1, 1000), "message") == (2, [])  # exactly the budget fits
+
+
+def test_shared_holders_count_once():
+    """Two entries whose snapshots hold the same 400-byte array (as one conversation's snapshots hold the same
+    latent pages) count it once; removing one entry frees only its own array; a budget short of both evicts the
+    least recently used entry, which frees its own 100 bytes only; refreshing an entry with a snapshot that keeps the
+    shared array frees only what the old snapshot alone held."""
+    shared = mx.zeros(100)
+    a = CacheSnapshot(2, (True, True), ((shared, None), (mx.zeros(25), None)))
+    b = CacheSnapshot(3, (True, True), ((shared, None), (mx.zeros(50), None)))
+    cache = PrefixCache(None)
+    ia, _ = cache.insert([1, 2], a, "message")
+    ib, _ = cache.insert([1, 2, 3], b, "message")
+    assert (a.nbytes, b.nbytes, cache.nbytes) == (500, 600, 700)
+    cache.remove([ia])
+    assert cache.nbytes == 600
+    cache.remove([ib])
+    assert cache.nbytes == 0
+
+    budget = PrefixCache(650)
+    ia, _ = budget.insert([1, 2], a, "message")
+    ib, evicted = budget.insert([1, 2, 3], b, "message")
+    assert evicted == [ia] and budget.nbytes == 600
+    again, evicted = budget.insert([1, 2, 3], CacheSnapshot(3, (True,), ((shared, None),)), "message")
+    assert (again, evicted, budget.nbytes) == (ib, [], 400)
 
 
 def test_ids_agree_across_ranks():

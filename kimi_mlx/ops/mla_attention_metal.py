@@ -61,16 +61,13 @@ def mla_latent_attention_metal(
     *,
     decode: Optional[bool] = None,
     simdgroups: int = 8,
-) -> mx.array:
+    with_lse: bool = False,
+):
     """One kernel launch: latent attention output ``[B, H, T, r]`` in q_lat's dtype for scaled queries q_lat
     ``[B, H, T, r]`` and q_rot ``[B, H, T, dr]``. ``decode`` picks ``mla_decode`` (needs T = 1; default when T = 1)
-    or ``mla_prefill``; ``simdgroups`` per threadgroup (1..32). Kernels must be enabled (``kimi_mlx.metal``)."""
-    return _launch(q_lat, q_rot, kv_latent, k_pe, mask, decode, simdgroups)[0]
-
-
-def _launch(q_lat, q_rot, kv_latent, k_pe, mask, decode, simdgroups) -> tuple[mx.array, mx.array]:
-    """One launch of ``mla_latent_attention_metal``: (o_lat ``[B, H, T, r]`` in q_lat's dtype, the rows'
-    log-sum-exp ``[B, H, T]`` float32, -inf for a row that sees no key)."""
+    or ``mla_prefill``; ``simdgroups`` per threadgroup (1..32). Kernels must be enabled (``kimi_mlx.metal``).
+    ``with_lse``: also each row's log-sum-exp of its visible scores ``[B, H, T]`` float32 (-inf for a row that sees
+    no key; its output is then undefined)."""
     B, H, T, r = q_lat.shape
     S, dr = kv_latent.shape[2], k_pe.shape[-1]
     if q_rot.shape != (B, H, T, dr) or kv_latent.shape != (B, 1, S, r) or k_pe.shape != (B, 1, S, dr):
@@ -114,7 +111,7 @@ def _launch(q_lat, q_rot, kv_latent, k_pe, mask, decode, simdgroups) -> tuple[mx
         output_shapes=[(B, H, T, r), (B, H, T)],
         output_dtypes=[q_lat.dtype, mx.float32],
     )
-    return out, lse
+    return (out, lse) if with_lse else out
 
 
 def mla_latent_attention_segments(
@@ -140,7 +137,7 @@ def mla_latent_attention_segments(
         s1 = s0 + c.shape[2]
         # the last segment ends at S: a causal mask there is the kernel's own; elsewhere the block's bool mask
         seg_mask = "causal" if mask == "causal" and s1 == S else _pure._block_mask(mask, T, S, s0, s1)
-        out, lse = _launch(q32, r32, c, kr, seg_mask, T == 1, simdgroups)
+        out, lse = mla_latent_attention_metal(q32, r32, c, kr, seg_mask, simdgroups=simdgroups, with_lse=True)
         outs.append(out)
         lses.append(lse)
         s0 = s1
