@@ -14,6 +14,7 @@ import argparse
 import ipaddress
 import logging
 import re
+import signal
 import sys
 
 from . import ranks
@@ -171,6 +172,9 @@ def _serve(args: argparse.Namespace, group) -> int:
     log.info(f"kimi-mlx serve: loading {args.model}; {url} answers /health with 503 until it is ready")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=5))
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it to the handler it found: with the default one the
+    # process would die there, before the exit path below
+    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "should_exit", True))
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
@@ -179,6 +183,7 @@ def _serve(args: argparse.Namespace, group) -> int:
     # kernel ran only on other threads (the load and engine threads here); one synchronize on the main thread
     # first avoids it.
     mx.synchronize()
+    log.info("kimi-mlx serve: stopped")
     if failed:
         print(f"kimi-mlx: error: {failed[0]}", file=sys.stderr)
         return 2
