@@ -52,16 +52,18 @@ _TEXT_PART = _object(("type", "text"), type={"const": "text"}, text=_STR)
 _TEXT_PARTS = {"type": "array", "items": _TEXT_PART}
 _STOPS = {"anyOf": [{"type": "string", "minLength": 1},
                     {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}, _NULL]}
-_ANTHROPIC_BLOCKS = {"type": "array", "items": {"anyOf": [
+_ANTHROPIC_USER_BLOCKS = {"type": "array", "items": {"anyOf": [
+    _TEXT_PART,
+    _object(("type", "tool_use_id"), type={"const": "tool_result"}, tool_use_id={"type": "string", "minLength": 1},
+            content={"anyOf": [_STR, _TEXT_PARTS]}, is_error={"type": "boolean"}),
+]}}
+_ANTHROPIC_ASSISTANT_BLOCKS = {"type": "array", "items": {"anyOf": [
     _TEXT_PART,
     _object(("type", "thinking"), type={"const": "thinking"}, thinking=_STR, signature=_STR),
     _object(("type", "data"), type={"const": "redacted_thinking"}, data=_STR),
     _object(("type", "id", "name", "input"), type={"const": "tool_use"}, id=_STR, name=_STR,
             input={"type": "object"}),
-    _object(("type", "tool_use_id"), type={"const": "tool_result"}, tool_use_id={"type": "string", "minLength": 1},
-            content={"anyOf": [_STR, _TEXT_PARTS]}, is_error={"type": "boolean"}),
-]}, "description": "user messages take text and tool_result blocks; assistant messages text, thinking, "
-                   "redacted_thinking and tool_use"}
+]}}
 
 
 class _Body(BaseModel):
@@ -169,7 +171,21 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
+def _chat_message_roles(schema: dict) -> None:
+    """What each role needs (the validators below), as JSON schema: content on all but assistant messages, the
+    call's id on tool messages, tool calls only on assistant messages."""
+    text, no_calls = {"anyOf": [_STR, _TEXT_PARTS]}, {"anyOf": [_NULL, {"type": "array", "maxItems": 0}]}
+    schema["oneOf"] = [
+        _object(("content",), role={"enum": ["system", "developer", "user"]}, content=text, tool_calls=no_calls),
+        _object((), role={"const": "assistant"}),
+        _object(("content", "tool_call_id"), role={"const": "tool"}, content=text, tool_calls=no_calls,
+                tool_call_id={"type": "string", "minLength": 1}),
+    ]
+
+
 class ChatMessage(_Body):
+    model_config = ConfigDict(json_schema_extra=_chat_message_roles)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: _shape({"anyOf": [_STR, _TEXT_PARTS, _NULL], "description": "null only on assistant messages"}) = \
         Field(None, validate_default=True)
@@ -226,8 +242,10 @@ class _Sampling(_Body):
     repetition_penalty: Optional[float] = Field(None, gt=0)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    logit_bias: Optional[dict[str, float]] = Field(None, description="token id (a decimal string) -> bias in "
-                                                                    "[-100, 100]")
+    logit_bias: Optional[Annotated[dict[str, float], WithJsonSchema({
+        "type": "object", "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        "description": "token id (decimal digits) -> bias added to its logit"})]] = None
     seed: Optional[integer(ge=-INT64, le=INT64 - 1)] = None
     stop: _shape(_STOPS) = Field(None, validate_default=True)
     n: Optional[integer()] = None
@@ -299,7 +317,9 @@ class ChatCompletionRequest(_Sampling):
                                            function=_object(("name",), name=_STR)), _NULL]}) = None
     response_format: Optional[ResponseFormat] = None
     reasoning_effort: Optional[Literal[REASONING_EFFORTS]] = None
-    chat_template_kwargs: Optional[dict] = None
+    chat_template_kwargs: Optional[Annotated[dict, WithJsonSchema({
+        **_object(thinking={"type": "boolean"}, enable_thinking={"type": "boolean"}, thinking_effort=_STR),
+        "additionalProperties": False})]] = None
 
     @field_validator("tool_choice")
     @classmethod
@@ -411,9 +431,17 @@ def anthropic_blocks(content: Any, role: str) -> list[dict]:
     return content
 
 
+def _anthropic_message_roles(schema: dict) -> None:
+    """The content blocks each role takes (``anthropic_blocks``), as JSON schema."""
+    schema["oneOf"] = [_object(role={"const": "user"}, content={"anyOf": [_STR, _ANTHROPIC_USER_BLOCKS]}),
+                       _object(role={"const": "assistant"}, content={"anyOf": [_STR, _ANTHROPIC_ASSISTANT_BLOCKS]})]
+
+
 class AnthropicMessage(_Body):
+    model_config = ConfigDict(json_schema_extra=_anthropic_message_roles)
+
     role: Literal["user", "assistant"]
-    content: _shape({"anyOf": [_STR, _ANTHROPIC_BLOCKS]})
+    content: _shape({"anyOf": [_STR, _ANTHROPIC_USER_BLOCKS, _ANTHROPIC_ASSISTANT_BLOCKS]})
 
     @field_validator("content")
     @classmethod
