@@ -370,6 +370,86 @@ BUGS: tuple[PlantedBug, ...] = (
           "        finally:\n"),),
         ("tests/test_server_api.py::test_disconnect_stops_the_generation",),
     ),
+    # -- server: every accepted value checked before the engine (issue 20)
+    PlantedBug(
+        "serve: a negative seed reaches mx.random.key unmapped",
+        (("kimi_mlx/server/sampling.py", "mx.random.key(seed % 2**64)", "mx.random.key(seed)"),),
+        ("tests/test_server_errors.py::test_accepted_edge_values",),
+    ),
+    PlantedBug(
+        "serve: a negative seed reaches mx.random.key unmapped (found by the property-based run)",
+        (("kimi_mlx/server/sampling.py", "mx.random.key(seed % 2**64)", "mx.random.key(seed)"),),
+        ("tests/test_server_schema.py::test_no_server_error",),
+    ),
+    PlantedBug(
+        "serve: seeds outside the signed 64-bit range accepted",
+        (("kimi_mlx/server/schemas.py", "seed: Optional[integer(ge=-INT64, le=INT64 - 1)]", "seed: Optional[integer()]"),),
+        ("tests/test_server_errors.py::test_bad_request",),
+    ),
+    PlantedBug(
+        "serve: top_k at or past the vocabulary handed to the sampler",
+        (("kimi_mlx/server/backend.py", "    if params.top_k >= backend.vocab_size:\n        params.top_k = 0\n", ""),),
+        ("tests/test_server_errors.py::test_accepted_edge_values",),
+    ),
+    PlantedBug(
+        "serve: logit_bias keys checked with lstrip('-').isdigit()",
+        (("kimi_mlx/server/backend.py", "if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < backend.vocab_size):",
+          "if not key.lstrip(\"-\").isdigit() or not 0 <= int(key) < backend.vocab_size:"),),
+        ("tests/test_server_errors.py::test_bad_request",),
+    ),
+    PlantedBug(
+        "serve: JSON nesting depth unchecked",
+        (("kimi_mlx/server/schemas.py", "MAX_JSON_DEPTH = 100 ", "MAX_JSON_DEPTH = 10**9 "),),
+        ("tests/test_server_errors.py::test_bad_request",),
+    ),
+    PlantedBug(
+        "serve: non-finite log-probabilities sent as they are (NaN, -Infinity)",
+        (("kimi_mlx/server/openai_routes.py",
+          "    return LOGPROB_FLOOR if math.isnan(value) else min(0.0, max(LOGPROB_FLOOR, value))", "    return value"),),
+        ("tests/test_server_errors.py::test_accepted_edge_values",),
+    ),
+    PlantedBug(
+        "serve: integers written 2.0 refused",
+        (("kimi_mlx/server/schemas.py", "    return int(value) if isinstance(value, float) and value.is_integer() else value",
+          "    return value"),),
+        ("tests/test_server_errors.py::test_accepted_edge_values",),
+    ),
+    PlantedBug(
+        "serve: response_format text passed on with its extra keys (refused by the Kimi Linear route)",
+        (("kimi_mlx/server/schemas.py", "        if self.type == \"text\":\n            return None\n", ""),),
+        ("tests/test_server_errors.py::test_accepted_edge_values",),
+    ),
+    PlantedBug(
+        "serve: a 500 carries the exception's text",
+        (("kimi_mlx/server/app.py", "_error_response(request, ApiError(500, INTERNAL_ERROR))",
+          "_error_response(request, ApiError(500, f\"{INTERNAL_ERROR}: {err}\"))"),),
+        ("tests/test_server_app.py::test_internal_failures_keep_their_details_in_the_log",),
+    ),
+    PlantedBug(
+        "serve: an upload the client abandons goes to the 500 handler (a traceback in the log)",
+        (("kimi_mlx/server/app.py", "    @app.exception_handler(ClientDisconnect)\n", "    @app.exception_handler(ConnectionAbortedError)\n"),),
+        ("tests/test_server_errors.py::test_upload_abandoned_is_one_log_line",),
+    ),
+    PlantedBug(
+        "serve: SIGTERM ends the process before its exit path",
+        (("kimi_mlx/cli/serve.py", "    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, \"should_exit\", True))\n", ""),),
+        ("tests/test_server_cli.py::test_signal_shuts_down_cleanly",),
+    ),
+    PlantedBug(
+        "serve: Anthropic thinking.budget_tokens ignored",
+        (("kimi_mlx/server/scheduler.py", "            row.follow_budget(token)\n", ""),),
+        ("tests/test_server_k3.py::test_anthropic_thinking_budget",),
+    ),
+    PlantedBug(
+        "serve: the reasoning budget closes the section one token late",
+        (("kimi_mlx/server/scheduler.py", "            if self.reasoning_left == 0:", "            if self.reasoning_left == -1:"),),
+        ("tests/test_server_k3.py::test_anthropic_thinking_budget",),
+    ),
+    PlantedBug(
+        "serve: the reasoning budget ignores the model's own end of the section",
+        (("kimi_mlx/server/scheduler.py", "            if token in budget.ends:\n", "            if False:\n"),),
+        ("tests/test_server_scheduler.py::test_reasoning_budget",),
+    ),
     PlantedBug(
         "GGUF: block types (IQ*, Q6_K) are decoded to float instead of kept as blocks",
         (("kimi_mlx/loading.py",

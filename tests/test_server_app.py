@@ -289,7 +289,8 @@ def test_internal_failures_keep_their_details_in_the_log(kl_tok, caplog, on_subm
         assert r.status_code == 500 and r.json()["error"]["message"] == message
         bodies.append(r.text)
         r = http.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": [USER]})
-        assert r.status_code == 500 and r.json() == {"type": "error", "error": {"type": "api_error", "message": message}}
+        assert r.status_code == 500
+        assert r.json() == {"type": "error", "error": {"type": "api_error", "message": message}}
         bodies.append(r.text)
         if not on_submit:
             raw = http.post("/v1/completions", json={"prompt": "x", "stream": True}).text

@@ -271,7 +271,8 @@ def _completion_logprobs(tokenizer, gen: Generation, piece, offset: int, out: di
         return
     out["tokens"].append(_token_logprob(tokenizer, ev.token, ev.logprob)["token"])
     out["token_logprobs"].append(_logprob(ev.logprob))
-    out["top_logprobs"].append({_token_logprob(tokenizer, t, lp)["token"]: _logprob(lp) for t, lp in ev.top_logprobs or []})
+    out["top_logprobs"].append({_token_logprob(tokenizer, t, lp)["token"]: _logprob(lp)
+                                for t, lp in ev.top_logprobs or []})
     out["text_offset"].append(offset)
 
 
