@@ -406,6 +406,41 @@ BUGS: tuple[PlantedBug, ...] = (
         (("metal_kernels/ggml_matvec.metal", "acc = simd_sum(acc);", "acc = acc;"),),
         ("tests/test_metal_ggml.py::test_matvec_plain_and_gathered",),
     ),
+    # -- Metal launch limits and 64-bit indices (issue 20 item 4)
+    PlantedBug(
+        "Metal limits: mla_decode's threadgroup memory unchecked (simdgroups=16 at kv_lora 512 asks for 32,896 bytes)",
+        (("kimi_mlx/ops/mla_attention_metal.py", "    memory = decode_threadgroup_bytes(simdgroups, r) if decode else 0\n",
+          "    memory = 0\n"),),
+        ("tests/test_metal_limits.py::test_settings_past_the_limits_are_refused_before_launch",),
+    ),
+    PlantedBug(
+        "Metal limits: threads per threadgroup allowed up to the device's 1024 (above a register-heavy pipeline's limit)",
+        (("kimi_mlx/metal.py", "MAX_THREADS_PER_THREADGROUP = 512\n", "MAX_THREADS_PER_THREADGROUP = 1024\n"),),
+        ("tests/test_metal_limits.py::test_settings_past_the_limits_are_refused_before_launch",),
+    ),
+    PlantedBug(
+        "Metal limits: the chunked scan's SIMD-groups not capped at the Dv / 8 tiles there are",
+        (("kimi_mlx/ops/kda_chunked_metal.py", "    sg = min(simdgroups, Dv // 8)", "    sg = simdgroups"),),
+        ("tests/test_metal_limits.py::test_kda_kernels_at_real_head_dims",),
+    ),
+    PlantedBug(
+        "Metal indices: attn_res_mix indexes its rows with a 32-bit uint",
+        (("metal_kernels/attn_res_mix.metal", "const ulong row = thread_position_in_grid.y;",
+          "const uint row = thread_position_in_grid.y;"),
+         ("metal_kernels/attn_res_mix.metal", "const ulong N = threads_per_grid.y;", "const uint N = threads_per_grid.y;")),
+        ("tests/test_metal_limits.py::test_attn_res_mix_indices_past_uint",),
+    ),
+    PlantedBug(
+        "Metal indices: kda_recurrent's token row index is a 32-bit uint",
+        (("metal_kernels/kda_recurrent.metal", "  const ulong row = (bi * T + t) * H + h;",
+          "  const uint row = (bi * T + t) * H + h;"),),
+        ("tests/test_metal_limits.py::test_kda_recurrent_indices_past_uint",),
+    ),
+    PlantedBug(
+        "Metal indices: mla_decode's query row index is a 32-bit uint",
+        (("metal_kernels/mla_decode.metal", "const ulong row = (ulong)b * H + h;", "const uint row = b * H + h;"),),
+        ("tests/test_metal_limits.py::test_mla_indices_past_uint",),
+    ),
     PlantedBug(
         "latent cache: reserve() is ignored, a long prefill regrows the cache by copying",
         (("kimi_mlx/cache.py", "grow = ((max(n, self.reserved - prev) + self.step - 1) // self.step) * self.step",
