@@ -519,7 +519,7 @@ def kda_recurrent_metal(
         raise ValueError(f"kda_recurrent Metal kernel: Dk and Dv must be multiples of 32, got Dk={Dk}, Dv={Dv}")
     if rows_per_group < 1:
         raise ValueError(f"kda_recurrent Metal kernel: rows_per_group must be >= 1, got {rows_per_group}")
-    most = metal.MAX_THREADS_PER_THREADGROUP // 32  # fewer than the Dv >= 32 rows of the grid
+    most = metal.MAX_THREADS_PER_THREADGROUP // 32  # 16: fewer than the Dv rows of any grid, nothing to cap
     metal.check_threadgroup("kda_recurrent", f"rows_per_group={rows_per_group}", 32 * rows_per_group,
                             hint=f"at most {most} rows")  # fmt: skip
     for name, x in (("q", q), ("k", k), ("v", v), ("f", f), ("b", b)):
