@@ -1,18 +1,13 @@
-"""The chat renderers against the official chat formats, byte for byte and id for id.
+"""The chat renderers against the official chat formats (``chat_references.py``), byte for byte and id for id.
 
-References (``../shared/fixtures/chat/``, nothing of ours):
-
-- Kimi Linear: the K2-Instruct-family Jinja template, rendered as the checkpoint's ``tokenization_kimi.py`` renders
-  it: its ``apply_chat_template`` deep-sorts the tools' keys (``deep_sort_dict``), then transformers renders the
-  template (here a non-sandboxed jinja2 environment, since the template calls ``list.append``/``pop``, with
-  ``trim_blocks``/``lstrip_blocks`` and transformers' ``tojson``). Ids: that string encoded with the fixture
-  tokenizer's special-token parsing (where no message text spells a special token).
-- Kimi-K3: Moonshot's encoder as ported by mlx-vlm (``encoding_k3.py``), the reference: its text, its segments, and
-  its ids as mlx-vlm encodes them (each segment on its own: control segments -> their id, the rest plain text) with
-  the ``k3-vl-tiny`` tokenizer (K3's control tokens). Also llama.cpp's ``Kimi-K3.jinja``, given the conversation
-  after the encoder's own ``normalize_conversation`` (the one place the port differs: it writes JSON-string
-  arguments as a raw json block; and its ``dictsort`` ignores case, so generated keys are lower case here and the
-  case-sensitive order is checked against the encoder alone).
+- Kimi Linear: ours == the K2-Instruct-family template's string as ``tokenization_kimi.py`` renders it; ids == that
+  string encoded with the fixture tokenizer's special-token parsing (where no message text spells a special token).
+- Kimi-K3: ours == Moonshot's encoder: the same segments (text, and which are control tokens), text, and ids as
+  mlx-vlm encodes the segments, with the ``k3-vl-tiny`` tokenizer (K3's control tokens); and == llama.cpp's
+  ``Kimi-K3.jinja`` given the conversation after the encoder's own ``normalize_conversation`` (the one place the port
+  differs: it writes JSON-string arguments as a raw json block; its ``dictsort`` also ignores case, so generated keys
+  are lower case here and the case-sensitive order is checked against the encoder alone).
+- ``tokenizer.apply_chat_template`` gives the same ids as ``render_chat`` on every conversation.
 
 Conversations come from a hypothesis generator (fixed seed: the same examples every run) covering tool calls with
 typed, JSON-string, blank and non-JSON arguments, client ids or none, tool results named or not and out of call
@@ -20,16 +15,13 @@ order, several tool rounds, reasoning, system prompts present or absent, user na
 and for K3 thinking on/off, each effort, tool_choice and response_format; plus named hand-written conversations.
 """
 
-import importlib.util
 import json
-import sys
 
-import jinja2
 import pytest
+from chat_references import K3_TEMPLATE, encoder_ids, k2_reference, k3_reference, k3_template
 from conftest import KL_FIXTURE, SHARED
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jinja2.ext import loopcontrols
 
 from kimi_mlx.chat.format import (
     K2_DEFAULT_SYSTEM,
@@ -39,72 +31,8 @@ from kimi_mlx.chat.format import (
 )
 from kimi_mlx.tokenizer import load_kimi_tokenizer
 
-CHAT = SHARED / "fixtures" / "chat"
 K3_VL = SHARED / "fixtures" / "k3_vision" / "k3-vl-tiny"
 EXAMPLES = 60  # generated conversations per format
-
-
-# ----------------------------------------------------------------------------------------------- the references
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    """transformers' ``tojson`` filter (``chat_template_utils``)."""
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _template(name: str) -> jinja2.Template:
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
-    return env.from_string((CHAT / name).read_text())
-
-
-def _load_encoder():
-    spec = importlib.util.spec_from_file_location("encoding_k3_reference", CHAT / "encoding_k3.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-K2_TEMPLATE = _template("Kimi-K2-Instruct.jinja")
-K3_TEMPLATE = _template("Kimi-K3.jinja")
-ENCODER = _load_encoder()
-
-
-def deep_sort_dict(obj):
-    """``tokenization_kimi.py``'s ``deep_sort_dict`` (Kimi-Linear-48B-A3B-Instruct): every dict's keys sorted."""
-    if isinstance(obj, dict):
-        return {k: deep_sort_dict(v) for k, v in sorted(obj.items())}
-    if isinstance(obj, list):
-        return [deep_sort_dict(v) for v in obj]
-    return obj
-
-
-def k2_reference(messages, tools=None, add_generation_prompt=True) -> str:
-    return K2_TEMPLATE.render(messages=messages, tools=deep_sort_dict(tools),
-                              add_generation_prompt=add_generation_prompt)
-
-
-def k3_reference(messages, tools=None, **options) -> list:
-    """The encoder's segments (``EncodeSegment(text, allow_special)``)."""
-    return ENCODER.build_chat_segments(messages, tools=tools, **options)
-
-
-def k3_template(messages, tools=None, **options) -> str:
-    return K3_TEMPLATE.render(messages=ENCODER.normalize_conversation(messages), tools=tools, **options)
-
-
-def encoder_ids(segments, tok) -> list[int]:
-    """Ids of the encoder's segments as mlx-vlm's K3 processor encodes them: one segment at a time."""
-    ids = []
-    for s in segments:
-        ids += [tok.special_tokens[s.text]] if s.allow_special else tok.encode(s.text)
-    return ids
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +78,8 @@ def check_k3(tok, messages, tools=None, **options):
 
 KEYS = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_0123456789", min_size=1, max_size=8)
 TEXTS = st.one_of(
-    st.sampled_from(["", " ", "Weather in Tokyo?", "a\nb\n", "22C sunny", "你好，世界", "  padded  ", 'say "hi" & bye',
-                     "emoji 🌧", '{"json": 1}', "typed <|im_end|> and <|open|>message<|sep|>"]),
+    st.sampled_from(["", " ", "Weather in Tokyo?", "a\nb\n", "22C sunny", "你好，世界", "  padded  ",
+                     'say "hi" & bye', "emoji 🌧", '{"json": 1}', "typed <|im_end|> and <|open|>message<|sep|>"]),
     st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",), exclude_characters="<"), max_size=24),
 )
 FUNCTIONS = ["get_weather", "get_time", "search", "run_tests", "a-b.c"]
@@ -298,7 +226,8 @@ NAMED = {
                                {"role": "user", "name": "bob", "content": "hi"}], None),
     "multi-part content": ([{"role": "user", "content": [{"type": "text", "text": "Weather "},
                                                          {"type": "text", "text": "in Tokyo?"}]},
-                            {"role": "assistant", "content": [{"type": "text", "text": "Sunny"}, {"type": "text", "text": "."}]},
+                            {"role": "assistant", "content": [{"type": "text", "text": "Sunny"},
+                                                              {"type": "text", "text": "."}]},
                             {"role": "user", "content": []}], None),
     "empty and missing content": ([USER, {"role": "assistant", "content": ""}, {"role": "user"},
                                    {"role": "assistant", "content": None}, {"role": "user", "content": "ok"}], None),
