@@ -231,6 +231,92 @@ BUGS: tuple[PlantedBug, ...] = (
           "            for c in self.cache:\n                c.offset = len(self.tokens)\n"),),
         ("tests/test_chat_session.py::test_ctrl_c_inside_a_model_call",),
     ),
+    # -- chat formats against the official templates, tool-call ids (issue 20 item 2)
+    PlantedBug(
+        "chat: the Kimi Linear template's call counter starts at 1",
+        (("kimi_mlx/chat/format.py", "    counter = 0  # calls so far in the conversation",
+          "    counter = 1  # calls so far in the conversation"),),
+        ("tests/test_chat_templates.py::test_kimi_linear_named_conversations_match_the_template",),
+    ),
+    PlantedBug(
+        "chat: Kimi Linear writes the client's call id instead of functions.{name}:{n}",
+        (("kimi_mlx/chat/format.py", 'call_id = f"functions.{name}:{counter}"\n                counter += 1',
+          'call_id = str(call.get("id") or f"functions.{name}:{counter}")\n                counter += 1'),),
+        ("tests/test_chat_templates.py::test_kimi_linear_named_conversations_match_the_template",),
+    ),
+    PlantedBug(
+        "chat: a Kimi Linear tool result is labelled with its tool_call_id instead of the oldest open call",
+        (("kimi_mlx/chat/format.py", "                call_id = pending_ids.pop(0)\n",
+          '                call_id = msg.get("tool_call_id") or pending_ids[0]\n'
+          "                pending_ids.pop(0)\n"),),
+        ("tests/test_chat_templates.py::test_kimi_linear_named_conversations_match_the_template",),
+    ),
+    PlantedBug(
+        "chat: a Kimi Linear tool message's role slot ignores its name (always 'tool')",
+        (("kimi_mlx/chat/format.py", "        tx(str(msg.get(\"name\") or role))",
+          "        tx(str(role if role == \"tool\" else (msg.get(\"name\") or role)))"),),
+        ("tests/test_chat_templates.py::test_kimi_linear_named_conversations_match_the_template",),
+    ),
+    PlantedBug(
+        "chat: Kimi Linear tools not key-sorted as tokenization_kimi.py sorts them",
+        (("kimi_mlx/chat/format.py", 'tx(_tojson(list(tools), "tools", sort_keys=True))',
+          'tx(_tojson(list(tools), "tools"))'),),
+        ("tests/test_chat_templates.py::test_kimi_linear_named_conversations_match_the_template",),
+    ),
+    PlantedBug(
+        "chat: K3 JSON-string arguments not normalised (written as a raw json block)",
+        (("kimi_mlx/chat/format_k3.py", "            return {}, None\n        try:\n",
+          "            return {}, None\n        return {}, arguments\n        try:\n"),),
+        ("tests/test_chat_templates.py::test_k3_string_arguments_follow_the_encoder_not_the_jinja_port",
+         "tests/test_chat_templates.py::test_k3_named_conversations_match_the_encoder"),
+    ),
+    PlantedBug(
+        "chat: K3 attribute pieces merged into one text segment before encoding",
+        (("kimi_mlx/chat/format_k3.py",
+          "        segs += [(False, f\" {key}\"), (False, '=\"')]\n        if escaped := escape_attr(value):\n"
+          "            segs.append((False, escaped))\n        segs.append((False, '\"'))\n",
+          "        segs.append((False, f' {key}=\"{escape_attr(value)}\"'))\n"),),
+        ("tests/test_chat_templates.py::test_k3_attribute_pieces_are_encoded_one_by_one",
+         "tests/test_chat_templates.py::test_k3_generated_conversations_match_the_encoder"),
+    ),
+    PlantedBug(
+        "chat: K3 content parts joined into one text segment before encoding",
+        (("kimi_mlx/chat/format.py", "            content_parts=_content_parts,",
+          "            content_parts=lambda c, r: [_content_text(c, r)],"),),
+        ("tests/test_chat_templates.py::test_k3_generated_conversations_match_the_encoder",
+         "tests/test_chat_templates.py::test_k3_named_conversations_match_the_encoder"),
+    ),
+    PlantedBug(
+        "chat: apply_chat_template drops the template's newline after an explicitly given default system prompt",
+        (("kimi_mlx/tokenizer.py", 'suffix = "\\n" if "default_system" in kwargs else self.default_system_suffix',
+          "suffix = self.default_system_suffix"),),
+        ("tests/test_chat_templates.py::test_kimi_linear_generated_conversations_match_the_template",),
+    ),
+    PlantedBug(
+        "tool ids: the template id counter starts at 1",
+        (("kimi_mlx/chat/tool_ids.py", 'f"functions.{name}:{len(out)}"', 'f"functions.{name}:{len(out) + 1}"'),),
+        ("tests/test_chat_tool_ids.py::test_tool_call_ids_count_across_the_conversation",
+         "tests/test_chat_tool_ids.py::test_results_in_any_order_render_as_the_template_in_call_order"),
+    ),
+    PlantedBug(
+        "tool ids: the server leaves tool results in the client's order",
+        (("kimi_mlx/chat/tool_ids.py", "out[i:j] = [run[k] for k in answer_order(awaiting, run, complete=complete)]",
+          "answer_order(awaiting, run, complete=complete)"),),
+        ("tests/test_chat_tool_ids.py::test_real_server_renders_the_template_ids_in_call_order",
+         "tests/test_chat_tool_ids.py::test_openai_client_round_trips_the_template_ids"),
+    ),
+    PlantedBug(
+        "tool ids: a call left without a result is not refused",
+        (("kimi_mlx/chat/tool_ids.py", "    if complete and len(answered) < len(calls):",
+          "    if False:"),),
+        ("tests/test_chat_tool_ids.py::test_unpairable_results_are_refused_naming_the_ids",),
+    ),
+    PlantedBug(
+        "chat session: tool_results kept in the order given",
+        (("kimi_mlx/chat/session.py", "messages = [messages[k] for k in answer_order(calls, messages, complete=False)]",
+          "answer_order(calls, messages, complete=False)"),),
+        ("tests/test_chat_tool_ids.py::test_session_tool_results_in_call_order",),
+    ),
     # -- error types, platform guards, LoRA truncation (items 5, 7, 8)
     PlantedBug(
         "LoRA training ignores max_seq_length (no truncation)",
