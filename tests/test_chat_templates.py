@@ -180,7 +180,7 @@ K3_OPTIONS = st.fixed_dictionaries({
             "type": "object", "required": ["city"], "properties": {"temp": {"type": "number"},
                                                                    "city": {"type": "string"}}}}}]),
 })
-GENERATED = settings(max_examples=EXAMPLES, derandomize=True, deadline=None,
+GENERATED = settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 

@@ -264,8 +264,9 @@ def render_k3_segments(
     (``starts[len(messages)]``: where the generation prompt begins); it is
     ``None`` for a tool result that is emitted inside a reordered run (a render
     cannot start there). ``content_parts(content, role)`` gives a message's
-    content as its text pieces (a string: one piece; a list: one per text part). ``thinking_effort=None`` omits the
-    thinking-effort message. ``tool_choice`` (``"auto"``/``"required"``/``"none"``)
+    content as its text pieces (a string: one piece; a list: one per text
+    part). ``thinking_effort=None`` omits the thinking-effort message.
+    ``tool_choice`` (``"auto"``/``"required"``/``"none"``)
     and ``response_format`` (``"json_object"``, ``{"type": "json_schema",
     "json_schema": {"schema": ...}}``, ...) add per-request system messages
     after the conversation, before the generation prompt.
