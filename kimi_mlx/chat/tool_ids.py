@@ -64,6 +64,8 @@ def _result_id(result: Mapping[str, Any]) -> str | None:
 
 
 def _names(calls: Sequence[ToolCallId]) -> str:
+    if not calls:
+        return "it made none"
     return ", ".join(f"{c.client_id!r} ({c.template_id})" if c.client_id else repr(c.template_id) for c in calls)
 
 
@@ -106,9 +108,10 @@ def answer_order(calls: Sequence[ToolCallId], results: Sequence[Mapping[str, Any
 def in_call_order(messages: Sequence[Mapping[str, Any]], *, complete: bool = True) -> list[Mapping[str, Any]]:
     """``messages`` with every run of tool messages in the order of the calls it answers (see the module docstring).
 
-    A run answers the calls of the last assistant message with tool calls before it (with ``complete``, the
-    message right before it: a call must be answered before the conversation moves on or ends). The messages are
-    not copied or changed, only reordered; ``ValueError`` for results the templates cannot pair with their calls.
+    A run answers the calls of the last assistant message before it, unless an earlier run answered them (a run
+    that answers no calls is left as it is). With ``complete``, every call must be answered by the run right
+    after its message, before the conversation moves on or ends. The messages are not copied or changed, only
+    reordered; ``ValueError`` for results the templates cannot pair with their calls.
     """
     calls_of: dict[int, list[ToolCallId]] = {}
     for call in tool_call_ids(messages):
