@@ -263,7 +263,7 @@ def _verdict(plan: Plan, unit: tuple[float, str]) -> list[str]:
     least = min(plan.ranks, key=lambda r: r.free)
     room = f"fits: every rank has room (least free: rank {least.rank}, {least.free / unit[0]:,.2f} {unit[1]})"
     limits = plan.wired_limits()
-    if not limits:
+    if all(r.wired_ok for r in plan.ranks):
         fullest = max(plan.ranks, key=lambda r: r.need / r.host.working_set)
         return [f"{room}, within each host's GPU working set (fullest: rank {fullest.rank}, "
                 f"{fullest.need / fullest.host.working_set:.0%} of it)"]
@@ -280,13 +280,15 @@ def _raise_lines(plan: Plan, limits: dict[int, int]) -> list[str]:
     for rank, mib in limits.items():
         by_value.setdefault(mib, []).append(rank)
     for mib, ranks in sorted(by_value.items()):
-        tight = any(plan.ranks[k].need > FILL * mib * MIB for k in ranks)
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         lines.append(f"on the host of {who}: sudo sysctl iogpu.wired_limit_mb={mib} ({mib / 1024:,.1f} GiB; until "
-                     "reboot)" + (f"; capped at memory - reserve, so less than {1 - FILL:.0%} is left for "
-                                  "activations" if tight else ""))
+                     "reboot)")
     if plan.split_by_working_set and len(limits) > 1:
         lines.append("(every host raised by the same factor, so load's split by working set stays the planned one)")
+    tight = plan.tight(limits)
+    if tight:
+        lines.append(f"TIGHT: rank(s) {tight} still take more than {FILL:.0%} at the most memory - reserve allows: "
+                     "little room for activations (quantize, or use more or larger hosts)")
     lines.append("a host that already has that much (a raised limit, or macOS 26's larger default) needs nothing: "
                  "give its working set with --wired-limit")
     return lines

@@ -119,7 +119,7 @@ def fit_advice(nbytes: int, gpu: GPUMemory, what: str = "the model's weights") -
     ws, memory = gpu.working_set, gpu.memory
     if nbytes <= FILL * ws:
         return None
-    size = (f"{what} take {nbytes / 1e9:,.1f} GB, "
+    size = (f"{what} take {_size(nbytes)}, "
             + (f"more than this Mac's GPU working set" if nbytes > ws else
                f"{nbytes / ws:.0%} of this Mac's GPU working set")
             + f" of {ws / GIB:,.1f} GiB ({memory / GIB:,.0f} GiB of memory): ")
@@ -134,6 +134,10 @@ def fit_advice(nbytes: int, gpu: GPUMemory, what: str = "the model's weights") -
             f"({what} plus {1 - FILL:.0%} of the limit for the cache and activations; it leaves "
             f"{(memory - limit * MIB) / GIB:,.1f} GiB to macOS), or quantize the model or split it over several Macs "
             "(kimi-mlx plan).")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:,.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:,.1f} MB"
 
 
 def check_fits(nbytes: int, source: str) -> None:

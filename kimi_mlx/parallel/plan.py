@@ -808,18 +808,26 @@ class Plan:
         return all(r.free >= 0 for r in self.ranks)
 
     def wired_limits(self) -> dict[int, int]:
-        """rank -> the ``iogpu.wired_limit_mb`` (MiB) its host needs so that the rank's weights and cache take at most
-        ``FILL`` of its GPU working set; empty when every rank already does. Under the default pipeline split (by
-        working set, as ``load`` splits) every host is raised by the same factor, so that ``load`` still makes the
-        planned split; otherwise only the ranks that need it. At most the host's usable memory (memory - reserve)."""
+        """For a plan that fits: rank -> the ``iogpu.wired_limit_mb`` (MiB) to raise its host to, so that the rank's
+        weights and cache take at most ``FILL`` of its GPU working set; empty when every rank already does. Under the
+        default pipeline split (by working set, as ``load`` splits) every host is raised by the same factor, so that
+        ``load`` still makes the planned split; otherwise only the ranks short of it. Never above a host's usable
+        memory (memory - reserve): ``tight`` names the ranks still short at the limits."""
         if all(r.wired_ok for r in self.ranks):
             return {}
         if self.split_by_working_set:
-            factor = max(r.need / (FILL * r.host.working_set) for r in self.ranks)
+            needed = max(r.need / (FILL * r.host.working_set) for r in self.ranks)
+            factor = min(needed, min(r.usable / r.host.working_set for r in self.ranks))
             wanted = {r.rank: math.ceil(factor * r.host.working_set / MIB) for r in self.ranks}
         else:
             wanted = {r.rank: wired_limit_mib(r.need) for r in self.ranks if not r.wired_ok}
-        return {rank: min(mib, self.ranks[rank].usable // MIB) for rank, mib in wanted.items()}
+        limits = {rank: min(mib, self.ranks[rank].usable // MIB) for rank, mib in wanted.items()}
+        return {rank: mib for rank, mib in limits.items() if mib * MIB > self.ranks[rank].host.working_set}
+
+    def tight(self, limits: dict[int, int]) -> list[int]:
+        """Ranks whose need still takes more than ``FILL`` of their host's working set with ``limits`` applied."""
+        return [r.rank for r in self.ranks
+                if r.need > FILL * (limits[r.rank] * MIB if r.rank in limits else r.host.working_set)]
 
     def shortfall(self) -> list[str]:
         """One line per rank that does not fit, and the whole cluster's shortfall; empty when it fits."""
