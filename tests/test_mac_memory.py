@@ -242,3 +242,51 @@ def test_serve_caps_the_buffer_cache(flags, expected, fake_mac):
         assert mac.limit == 6 * GIB
     finally:
         mx.set_cache_limit(before)
+
+
+# ------------------------------------------------------------------------------------------------ distributed ranks
+
+RANK_CODE = """
+import math, warnings
+import kimi_mlx
+from kimi_mlx.ops import memory
+from mlx.utils import tree_flatten
+
+class FakeMac:  # the device plumbing of a Mac whose GPU working set is 1 MB (every rank's share is over it)
+    limit, seen = 0, []
+    def set_wired_limit(self, n):
+        previous, self.limit = self.limit, n
+        return previous
+
+mac = FakeMac()
+memory.gpu_memory = lambda: memory.GPUMemory(2**20, 64 * 2**30)
+memory.set_wired_limit = mac.set_wired_limit
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model, tok = kimi_mlx.load(sys.argv[1], dtype=mx.float32, parallel="pipeline", group=group)
+advice = [str(w.message) for w in caught if issubclass(w.category, memory.WorkingSetWarning)]
+
+def sampler(logprobs):
+    mac.seen.append(mac.limit)
+    return mx.argmax(logprobs, axis=-1)
+
+kimi_mlx.generate(model, tok, "The quick brown fox", max_tokens=3, sampler=sampler)
+report({"advice": advice, "bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+        "seen": sorted(set(mac.seen)), "after": mac.limit})
+"""
+
+
+def test_every_rank_warns_for_its_share_and_generates_wired(tmp_path):
+    """Under ``load(parallel="pipeline")`` on 2 ranks (a Mac's device plumbing replaced in each rank's script), each
+    rank advises for the weights it holds, naming itself, and generates with the working set wired."""
+    from distributed import run_ranks
+
+    results = run_ranks(RANK_CODE, 2, tmp_path, args=[KL_FIXTURE / "hf"], timeout=240)
+    for rank, r in enumerate(results):
+        assert len(r["advice"]) == 1
+        text = r["advice"][0]
+        assert text.startswith(f"{KL_FIXTURE / 'hf'} (rank {rank} of 2): the model's weights take "
+                               f"{r['bytes'] / 1e6:,.1f} MB, more than this Mac's GPU working set")
+        assert f"sudo sysctl iogpu.wired_limit_mb={math.ceil(r['bytes'] / 0.9 / MIB)} " in text
+        assert r["seen"] == [MIB] and r["after"] == 0
+    assert results[0]["bytes"] != results[1]["bytes"]
