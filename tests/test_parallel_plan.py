@@ -460,7 +460,7 @@ def test_cli_says_when_to_raise_the_wired_limit(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--wired-limit", "600"], "--wired-limit 600: 600 GiB for host 0, which has 512 GiB of memory"),
+    (["--wired-limit", "600"], "host 0: wired limit 600 GiB; expected a positive number no larger than its 512 GiB"),
     (["--wired-limit", "400,400,400"], "3 values for 2 hosts"),
     (["--wired-limit", "-1"], "expected positive numbers (or 0)"),
 ])

@@ -12,10 +12,9 @@ import sys
 from pathlib import Path
 
 from ..loading import AFFINE_BITS, GROUP_SIZES
-from ..ops.memory import FILL, MIB
+from ..ops.memory import FILL
 from ..parallel.plan import (
     GB,
-    GIB,
     JACCL_TB5,
     ULTRA_BANDWIDTH_GBS,
     ULTRA_MIN_GIB,
@@ -113,10 +112,6 @@ def hosts_from_args(args: argparse.Namespace) -> list[Host]:
     bandwidth = _numbers("--bandwidth", args.bandwidth, n) if args.bandwidth else [default_bandwidth(m) for m in memory]
     tflops = _numbers("--tflops", args.tflops, n) if args.tflops else [None] * n
     wired = _numbers("--wired-limit", args.wired_limit, n, zero=True) if args.wired_limit else [0] * n
-    for i, (m, w) in enumerate(zip(memory, wired)):
-        if w > m:
-            raise ValueError(f"--wired-limit {args.wired_limit}: {w:g} GiB for host {i}, which has {m:g} GiB of "
-                             "memory; a wired limit stays below the memory")
     return [Host(m, b, t, w or None) for m, b, t, w in zip(memory, bandwidth, tflops, wired)]
 
 
@@ -262,12 +257,12 @@ def _verdict(plan: Plan, unit: tuple[float, str]) -> list[str]:
         return ["DOES NOT FIT:"] + [f"  {line}" for line in plan.shortfall()]
     least = min(plan.ranks, key=lambda r: r.free)
     room = f"fits: every rank has room (least free: rank {least.rank}, {least.free / unit[0]:,.2f} {unit[1]})"
-    limits = plan.wired_limits()
     if all(r.wired_ok for r in plan.ranks):
         fullest = max(plan.ranks, key=lambda r: r.need / r.host.working_set)
         return [f"{room}, within each host's GPU working set (fullest: rank {fullest.rank}, "
                 f"{fullest.need / fullest.host.working_set:.0%} of it)"]
-    return [f"{room} once the GPU wired limit is raised:"] + [f"  {line}" for line in _raise_lines(plan, limits)]
+    lines = _raise_lines(plan, plan.wired_limits())
+    return [f"{room} once the GPU wired limit is raised:"] + [f"  {line}" for line in lines]
 
 
 def _raise_lines(plan: Plan, limits: dict[int, int]) -> list[str]:

@@ -113,14 +113,14 @@ def wired_limit_mib(nbytes: int) -> int:
     return math.ceil(nbytes / FILL / MIB)
 
 
-def fit_advice(nbytes: int, gpu: GPUMemory, what: str = "the model's weights") -> Optional[str]:
-    """None when ``nbytes`` (of ``what``) take at most ``FILL`` of ``gpu.working_set``; else what happens and the
-    ``sysctl`` that fixes it, or, when that would leave macOS less than ``macos_share``, to quantize or split."""
+def fit_advice(nbytes: int, gpu: GPUMemory) -> Optional[str]:
+    """None when a model's ``nbytes`` of weights take at most ``FILL`` of ``gpu.working_set``; else what happens and
+    the ``sysctl`` that fixes it, or, when that would leave macOS less than ``macos_share``, to quantize or split."""
     ws, memory = gpu.working_set, gpu.memory
     if nbytes <= FILL * ws:
         return None
-    size = (f"{what} take {_size(nbytes)}, "
-            + (f"more than this Mac's GPU working set" if nbytes > ws else
+    size = (f"the model's weights take {_size(nbytes)}, "
+            + ("more than this Mac's GPU working set" if nbytes > ws else
                f"{nbytes / ws:.0%} of this Mac's GPU working set")
             + f" of {ws / GIB:,.1f} GiB ({memory / GIB:,.0f} GiB of memory): ")
     effect = ("macOS cannot keep them resident, so generating pages weights in and out (slow) or fails. "
@@ -131,7 +131,7 @@ def fit_advice(nbytes: int, gpu: GPUMemory, what: str = "the model's weights") -
         return (size + effect + f"They do not fit beside macOS on this Mac ({macos_share(memory) / GIB:g} GiB "
                 "kept for it): quantize the model (e.g. --quantize 4) or split it over several Macs (kimi-mlx plan).")
     return (size + effect + f"Raise the limit (until the next reboot) with: sudo sysctl iogpu.wired_limit_mb={limit} "
-            f"({what} plus {1 - FILL:.0%} of the limit for the cache and activations; it leaves "
+            f"(the model's weights plus {1 - FILL:.0%} of the limit for the cache and activations; it leaves "
             f"{(memory - limit * MIB) / GIB:,.1f} GiB to macOS), or quantize the model or split it over several Macs "
             "(kimi-mlx plan).")
 
