@@ -539,6 +539,53 @@ BUGS: tuple[PlantedBug, ...] = (
           "real_key = k_pos[None, None, :] > self.left_padding[:, None, None]"),),
         ("tests/test_mla_blockwise.py", "tests/test_cache_merge.py"),
     ),
+    # -- memory on a Mac (issue 20 items 5 and 6)
+    PlantedBug(
+        "plan: a host's whole memory counted as its GPU working set",
+        (("kimi_mlx/parallel/plan.py", "        return default_working_set(int(self.memory_gib * GIB))\n",
+          "        return int(self.memory_gib * GIB)\n"),),
+        ("tests/test_parallel_plan.py::test_k3_on_four_macs_needs_the_wired_limit_raised",
+         "tests/test_parallel_plan.py::test_cli_says_when_to_raise_the_wired_limit"),
+    ),
+    PlantedBug(
+        "plan: the advised wired limit leaves no room for activations",
+        (("kimi_mlx/ops/memory.py", "    return math.ceil(nbytes / FILL / MIB)", "    return math.ceil(nbytes / MIB)"),),
+        ("tests/test_mac_memory.py::test_fit_advice_is_a_limit_that_fits",
+         "tests/test_parallel_plan.py::test_k3_on_four_macs_needs_the_wired_limit_raised"),
+    ),
+    PlantedBug(
+        "stream_generate does not wire the model's memory",
+        (("kimi_mlx/generate.py", "@wired_during(generation_stream)\ndef stream_generate(", "def stream_generate("),),
+        ("tests/test_mac_memory.py::test_every_api_path_generates_wired",),
+    ),
+    PlantedBug(
+        "wired: the previous wired limit is not restored",
+        (("kimi_mlx/ops/memory.py", "            mx.synchronize(s)\n        set_wired_limit(previous)",
+          "            mx.synchronize(s)"),),
+        ("tests/test_mac_memory.py::test_every_api_path_generates_wired",),
+    ),
+    PlantedBug(
+        "load: no warning when the weights fill the GPU working set",
+        (("kimi_mlx/loading.py", "    check_fits(nbytes, where)\n", "    del nbytes, where\n"),),
+        ("tests/test_mac_memory.py::test_load_warns_past_the_working_set",),
+    ),
+    PlantedBug(
+        "CLI: the commands do not wire the model's memory",
+        (("kimi_mlx/cli/generate.py", "        loaded = True\n        keep_wired()\n", "        loaded = True\n"),),
+        ("tests/test_mac_memory.py::test_cli_commands_keep_the_memory_wired",),
+    ),
+    PlantedBug(
+        "serve: --cache-limit ignored",
+        (("kimi_mlx/cli/serve.py", "default_cache_limit() if args.cache_limit is None else args.cache_limit",
+          "default_cache_limit()"),),
+        ("tests/test_mac_memory.py::test_serve_caps_the_buffer_cache",),
+    ),
+    PlantedBug(
+        "GGML embedding returns float32 whatever the model's dtype",
+        (("kimi_mlx/layers/ggml.py", "dequantize(self[\"weight\"][ids], self.ggml_type).astype(self.dtype)",
+          "dequantize(self[\"weight\"][ids], self.ggml_type)"),),
+        ("tests/test_gguf_native.py::test_block_embedding_keeps_a_bfloat16_model_in_bfloat16",),
+    ),
 )
 
 

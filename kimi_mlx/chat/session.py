@@ -37,9 +37,10 @@ import mlx.core as mx
 from .format import detect_chat_format, render_chat
 from .parser import ReplyEvent, ReplyParser
 from .tool_ids import answer_order, tool_call_ids
-from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 
 from ..generate import check_kv_settings, check_prompt, stream_generate
+from ..ops.memory import wired_during
 from ..prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
 
 SESSION_KEY = "chat_session"  # prompt-cache file metadata key holding the session as JSON
@@ -307,6 +308,7 @@ class ChatSession:
             budget = min(budget, room)
         return self._generate(prompt, budget, len(new_messages), budget < (max_tokens or self.max_tokens))
 
+    @wired_during(generation_stream)  # on a Mac the model's memory stays wired through the prefill and the reply
     def _generate(self, prompt: list[int], budget: int, n_new: int, capped: bool) -> Iterator[ChatEvent]:
         stats = TurnStats(prompt_tokens=len(prompt))
         tic = time.perf_counter()
