@@ -185,6 +185,15 @@ def test_cli_commands_keep_the_memory_wired(command, fake_mac, capsys):
     assert mac.history[0] == 12 * GIB and mac.limit == 12 * GIB
 
 
+def test_lora_keeps_the_memory_wired(fake_mac, tmp_path, capsys):
+    """``kimi-mlx lora`` (its own load, not ``load_from_args``) keeps the working set wired while it trains."""
+    command = ["lora", "--model", "demo", "--train", "--data", "demo", "--iters", "1", "--batch-size", "2",
+               "--adapter-path", str(tmp_path / "adapters")]
+    mac = fake_mac(working_set=12 * GIB)
+    assert main(command) == 0
+    assert mac.history[0] == 12 * GIB and mac.limit == 12 * GIB
+
+
 # ------------------------------------------------------------------------------------------------ load-time advice
 
 
