@@ -6,6 +6,7 @@ on the same rendered prompt in this process, parsed with ``parse_reply``.
 """
 
 import anthropic
+import httpx2 as httpx
 import openai
 import pytest
 from conftest import K3_FIXTURE
@@ -134,6 +135,17 @@ def test_anthropic_thinking_blocks(server, ref):
         with claude.messages.stream(model="k3", max_tokens=N, messages=messages, **extra) as stream:
             final = stream.get_final_message()
         assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
+
+
+def test_deeply_nested_string_arguments_are_a_400(server):
+    """Tool-call arguments sent as a JSON string, which K3's renderer parses: nested 10,000 deep, they are a 400
+    naming ``messages`` (not a RecursionError 500), and the server keeps serving."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "[" * 10000}}
+    body = {"model": "k3", "messages": [*USER, {"role": "assistant", "content": "", "tool_calls": [call]},
+                                        {"role": "tool", "tool_call_id": "c1", "content": "x"}]}
+    r = httpx.post(server.url + "/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert httpx.get(server.base + "/health").status_code == 200
 
 
 def test_anthropic_thinking_budget(server, ref):

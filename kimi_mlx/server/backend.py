@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from ..chat.format import encode_segments, render_chat_with_starts
 from ..chat.format_k3 import XTML_MARKERS, close_tag, open_tag
+from ..chat.tool_ids import in_call_order
 from .errors import ApiError
 from .scheduler import (EngineStoppedError, GenerationRequest, QueueFullError, ReasoningBudget, RequestStream,
                         SamplingParams)
@@ -85,12 +86,14 @@ def render_prompt(backend: Backend, messages: list[dict], *, tools: Optional[lis
 
     Boundaries are the token positions where each message begins after the first (= where the one before it
     ends) and where the last one ends; ``system_end`` is where the first non-system message begins (the tool
-    declarations and system prompt before it are shared by conversations). A message the renderer refuses (or
-    nests too deeply to render) is an ApiError naming ``messages``.
+    declarations and system prompt before it are shared by conversations). Tool results are put in the order of the
+    calls they answer (``kimi_mlx.chat.tool_ids``). A message the renderer refuses (or nests too deeply to render) is
+    an ApiError naming ``messages``.
     """
     if backend.defaults.system is not None and not any(m.get("role") == "system" for m in messages):
         messages = [{"role": "system", "content": backend.defaults.system}, *messages]
     try:
+        messages = in_call_order(messages)
         tokens, starts = render_chat_with_starts(
             backend.tokenizer, messages, chat_format=backend.chat_format, tools=tools or None, thinking=thinking,
             thinking_effort=thinking_effort, tool_choice=tool_choice, response_format=response_format,

@@ -17,7 +17,7 @@ import json
 import math
 import time
 import uuid
-from typing import Any, Optional
+from typing import Optional
 
 from fastapi import APIRouter, Request
 
@@ -113,19 +113,7 @@ async def get_model(request: Request, model_id: str):
 # ------------------------------------------------------------------------------------------------------- chat
 
 
-def _arguments(args: Any, chat_format: str) -> Any:
-    """Tool-call arguments for the renderer: Kimi Linear writes the JSON text as given; K3 writes typed arguments
-    from a dict, so a JSON object string becomes one (what the model generated, for the prefix cache)."""
-    if chat_format == "kimi_k3" and isinstance(args, str):
-        try:
-            parsed = json.loads(args)
-        except (json.JSONDecodeError, RecursionError):
-            return args
-        return parsed if isinstance(parsed, dict) else args
-    return args
-
-
-def _message(m: ChatMessage, chat_format: str) -> dict:
+def _message(m: ChatMessage) -> dict:
     """A request message as the chat renderer's dict (``developer`` is a system message)."""
     out: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
     if m.name:
@@ -139,7 +127,7 @@ def _message(m: ChatMessage, chat_format: str) -> dict:
         if m.tool_calls:
             out["tool_calls"] = [
                 {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, chat_format)}}
+                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
                 for c in m.tool_calls
             ]
     return out
@@ -168,7 +156,7 @@ def _chat_prompt(backend: Backend, req: ChatCompletionRequest) -> Prompt:
     choice = req.tool_choice
     name = choice["function"]["name"] if isinstance(choice, dict) else None
     tools, choice = choose_tools(backend, tools, "function" if name else choice, name, "tool_choice")
-    messages = [_message(m, backend.chat_format) for m in req.messages]
+    messages = [_message(m) for m in req.messages]
     return render_prompt(backend, messages, tools=tools, thinking=thinking, thinking_effort=effort,
                          tool_choice=choice, response_format=response_format)
 
