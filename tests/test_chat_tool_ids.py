@@ -207,7 +207,8 @@ def test_anthropic_client_tool_use_ids(kltok):
         msg = client.messages.create(model="m", max_tokens=200, system=SYSTEM["content"], tools=tools,
                                      messages=messages)
         ids = [b.id for b in msg.content if b.type == "tool_use"]
-        assert ids == ["functions.get_weather:0", "functions.get_time:1"]
+        assert ids == [f"toolu_{msg.id.removeprefix('msg_')}_{n}" for n in range(2)]  # Anthropic's id pattern
+        assert all(re.fullmatch(r"[a-zA-Z0-9_-]+", i) for i in ids)
         want = template_prompt(kltok, [SYSTEM, USER, TWO_CALLS, result(None, "22C"), result(None, "09:00")])
         assert engine.requests[-1].tokens == want
         count = client.messages.count_tokens(model="m", system=SYSTEM["content"], tools=tools, messages=messages)

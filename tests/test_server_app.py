@@ -172,7 +172,11 @@ def test_k3_anthropic_blocks_and_events(k3_tok):
             final = stream.get_final_message()
         assert kinds == ["message_start", "content_block_start", "content_block_stop", "content_block_start",
                          "content_block_stop", "message_delta", "message_stop"]
-        assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
+        def same(blocks):  # each message's tool_use ids are its own: toolu_{message}_{n}
+            return [{k: v for k, v in b.model_dump().items() if k != "id"} for b in blocks]
+
+        assert same(final.content) == same(msg.content)
+        assert [b.id for b in (msg.content[1], final.content[1])] == [f"toolu_{m.id[4:]}_0" for m in (msg, final)]
         assert final.stop_reason == "tool_use"
 
 

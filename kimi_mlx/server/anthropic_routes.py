@@ -131,11 +131,20 @@ async def messages(request: Request):
             blocks.append({"type": "text", "text": ev.text})
         elif ev.kind == "tool_call":
             call = ev.tool_call
-            blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments})
+            n = sum(b["type"] == "tool_use" for b in blocks)
+            blocks.append({"type": "tool_use", "id": tool_use_id(msg_id, n), "name": call.name,
+                           "input": call.arguments})
     if not blocks:
         blocks.append({"type": "text", "text": ""})
     calls = sum(b["type"] == "tool_use" for b in blocks)
     return _message(state.model_id, msg_id, blocks, _usage(gen), _stop_reason(gen, calls), gen.stop_string)
+
+
+def tool_use_id(msg_id: str, n: int) -> str:
+    """The id of the ``n``-th ``tool_use`` block of message ``msg_id``: ``toolu_{msg hex}_{n}``, unique in the
+    conversation and within Anthropic's id pattern ``[a-zA-Z0-9_-]+`` (the model's own ``functions.{name}:{n}`` is
+    not). Clients send it back as given; the renderer pairs results with calls by position (``chat.tool_ids``)."""
+    return f"toolu_{msg_id.removeprefix('msg_')}_{n}"
 
 
 async def _events(gen: Generation, model: str, msg_id: str, keepalive_s: float):
@@ -186,8 +195,9 @@ async def _events(gen: Generation, model: str, msg_id: str, keepalive_s: float):
                 out.append(delta({"type": "text_delta", "text": ev.text}))
             elif ev.kind == "tool_call":
                 call = ev.tool_call
+                out += open_block({"type": "tool_use", "id": tool_use_id(msg_id, calls), "name": call.name,
+                                   "input": {}})
                 calls += 1
-                out += open_block({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
                 out.append(delta({"type": "input_json_delta",
                                   "partial_json": json.dumps(call.arguments, ensure_ascii=False)}))
                 out += close_block()
