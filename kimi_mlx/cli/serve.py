@@ -95,8 +95,7 @@ def _backend_parts(args: argparse.Namespace, group):
     import mlx.core as mx
 
     from ..chat.format import detect_chat_format
-    from ..ops.memory import default_cache_limit
-    from ..parallel.pipeline import usable_memory
+    from ..ops.memory import default_cache_limit, usable_memory
     from ..server.scheduler import Scheduler
 
     seed = args.seed

@@ -43,6 +43,7 @@ __all__ = [
     "keep_wired",
     "macos_share",
     "set_wired_limit",
+    "usable_memory",
     "wired",
     "wired_during",
     "wired_limit_mib",
@@ -199,10 +200,14 @@ def keep_wired() -> Optional[int]:
     return gpu.working_set
 
 
-def default_cache_limit() -> int:
-    """Bytes of freed buffers MLX may keep for reuse in a long-running server: an eighth of the GPU's working set
-    (of the RAM without a Metal GPU), at most 2 GiB: room to recycle a decode step's and a prefill chunk's
-    activations, not to hoard the buffers of evicted caches."""
+def usable_memory() -> int:
+    """Bytes this process can hold: the GPU's working set on a Mac, elsewhere the physical RAM."""
     gpu = gpu_memory()
-    capacity = gpu.working_set if gpu is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(2 * GIB, capacity // 8)
+    return gpu.working_set if gpu is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_cache_limit() -> int:
+    """Bytes of freed buffers MLX may keep for reuse in a long-running server: an eighth of ``usable_memory``, at
+    most 2 GiB: room to recycle a decode step's and a prefill chunk's activations, not to hoard the buffers of
+    evicted caches."""
+    return min(2 * GIB, usable_memory() // 8)
