@@ -21,7 +21,9 @@ pure blockwise absorbed and expanded paths (``mla_attention`` with 2048-key bloc
 GGML blocks (``--ggml-type``, default IQ2_XXS, weight ``--ggml-rows`` x ``--ggml-cols``, x [T, cols]): ``ggml_matmul``
 with the kernels (``ggml_matvec`` up to MATVEC_MAX_ROWS rows, else ``ggml_dequant`` chunks + MLX's GEMM), without
 (pure MLX), and MLX's ``quantized_matmul`` on the same weights requantized to affine 3-bit g32 (the lossy
-alternative). Times are medians over ``--reps`` runs after warm-up, in ms;
+alternative). Every kernel runs with its op's default launch settings, which stay within ``kimi_mlx.metal``'s launch
+limits (``MAX_THREADS_PER_THREADGROUP``, ``MAX_THREADGROUP_MEMORY``) at any size. Times are medians over ``--reps``
+runs after warm-up, in ms;
 under each row, every path's max |output - pure MLX| (the paths compute the same op).
 Without Metal (and without ``--emulator``) it says so and exits 0.
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import time
@@ -269,10 +272,14 @@ def main(argv=None) -> int:
         import metal_emu
 
         print("metal_emu: smoke run on tiny shapes, timings are of the CPU emulator and mean nothing")
-        args.T, args.H, args.D, args.K, args.d, args.reps = [1, 70], 1, 32, 2, 64, 1
-        args.mla_heads, args.mla_context, args.mla_rank, args.mla_rope, args.mla_nope = 2, 40, 64, 32, 32
+        # few heads, tokens and keys, but the real head dims and latent rank (they size the launches), every launch
+        # held to the launch limits
+        args.T, args.H, args.D, args.K, args.d, args.reps = [1, 70], 1, 128, 2, 64, 1
+        args.mla_heads, args.mla_context, args.mla_rank, args.mla_rope, args.mla_nope = 2, 40, 512, 64, 128
         args.ggml_rows, args.ggml_cols = 40, 512
-        ctx = metal.emulated(metal_emu.metal_kernel)
+        limits = {"max_threads_per_threadgroup": metal.MAX_THREADS_PER_THREADGROUP,
+                  "max_threadgroup_memory": metal.MAX_THREADGROUP_MEMORY}  # fmt: skip
+        ctx = metal.emulated(functools.partial(metal_emu.metal_kernel, **limits))
     elif not (mx.metal.is_available() and mx.default_device() == mx.gpu):
         print("bench/kernels.py: no Metal GPU here (the kernels only run on Apple silicon); nothing to time.")
         return 0

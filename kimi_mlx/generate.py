@@ -5,7 +5,8 @@ generation tokens/s, peak memory, finish reason); ``generate`` returns the whole
 ``mlx_lm.stream_generate``: sampling options by name, extra stop tokens and stop strings (never emitted, even in
 part), and ``batch_generate`` for a ragged, left-padded batch with the hybrid cache. Prompts are checked before
 anything runs: ids outside the vocabulary (``TokenIdError``) and prompts past the model's ``model_max_length``
-(``ContextLengthError``) are refused.
+(``ContextLengthError``) are refused. On a Mac each call keeps the model's memory wired while it runs (up to the
+GPU's working set, ``ops.memory.wired``), as mlx-lm does.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import GenerationResponse, generate_step, maybe_quantize_kv_cache
+from mlx_lm.generate import GenerationResponse, generate_step, generation_stream, maybe_quantize_kv_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import check_kv_quant
+from .ops.memory import wired_during
 from .validation import check_context, check_token_ids
 
 
@@ -76,6 +78,7 @@ def check_kv_settings(cache, kv_bits: Optional[int], kv_group_size: int, quantiz
                          f"bits, group {kv_group_size}")
 
 
+@wired_during(generation_stream)
 def stream_generate(
     model: nn.Module,
     tokenizer: TokenizerWrapper,
@@ -195,6 +198,7 @@ def generate(
     return text
 
 
+@wired_during()
 def batch_generate(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],

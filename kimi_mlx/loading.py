@@ -27,10 +27,11 @@ from .convert.gguf.reader import GGUFFile, GGUFFormatError, TensorInfo
 from .convert.gguf.tokenizer import load_gguf_tokenizer
 from .convert.hf import CheckpointError
 from .convert.writer import progress_bar
-from .layers.ggml import holds_ggml, to_ggml
+from .layers.ggml import holds_ggml, set_float_dtype, to_ggml
 from .models.kimi_k3 import K3Model
 from .ops.ggml import FORMATS as GGML_FORMATS
 from .models.kimi_linear import Model
+from .ops.memory import check_fits
 from .parallel import Select, Split, check_arguments, init_group, rank_share
 from .parallel.health import agree, fingerprint
 from .parallel.pipeline import layer_bytes
@@ -251,12 +252,19 @@ def load_model(
             for k, v in weights.items()
         }
     model.load_weights(list(weights.items()), strict=True)
+    set_float_dtype(model, _float_dtype(model))
     if spec is not None:
         quantize_model(model, spec)
     model.eval()
     if not lazy:
         mx.eval(model.parameters())
     return model, cfg
+
+
+def _float_dtype(model: nn.Module) -> mx.Dtype:
+    """A loaded model's float dtype: that of its first norm (norms take ``dtype``, or the checkpoint's; only what
+    ``cast_predicate`` names stays float32)."""
+    return model.layers[0].input_layernorm.weight.dtype
 
 
 def _cast(dtype: Optional[mx.Dtype], keep_float32, param: str, value: mx.array) -> mx.array:
@@ -414,6 +422,7 @@ def load_gguf_model(
         except CheckpointError as e:
             raise GGUFFormatError(str(e)) from None
     model.load_weights(list(weights.items()), strict=select is None)  # plan_tensors checked every shape
+    set_float_dtype(model, dtype or mx.float32)  # float tensors decode to float32 and are cast to dtype when given
     model.eval()
     mx.eval(weights)
     return model, cfg
@@ -492,6 +501,7 @@ def load(
                 model = share.apply(model)
             if quantize is not None and quantize is not False:
                 quantize_model(model, _quantization_spec(quantize))
+        _check_working_set(model, gguf_file.source, group)
         return _with_adapters(model, adapter_path), tokenizer
     with agree(group, "opening the model") as step:
         path = resolve_model_path(path_or_hf_id)
@@ -503,8 +513,17 @@ def load(
     with agree(group, "loading the weights"):
         if share is not None:
             model = share.apply(model)  # before evaluating: only the rank's weights are read
+        _check_working_set(model, str(path), group)  # sizes are known before the weights are read
         mx.eval(model.parameters())
     return _with_adapters(model, adapter_path), tokenizer
+
+
+def _check_working_set(model: nn.Module, source: str, group: Optional[mx.distributed.Group]) -> None:
+    """Warn when the weights this process holds take more than ``ops.memory.FILL`` of the Mac's GPU working set
+    (with the ``iogpu.wired_limit_mb`` value that fixes it); nothing without a Metal GPU."""
+    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    where = f"{source} (rank {group.rank()} of {group.size()})" if group is not None and group.size() > 1 else source
+    check_fits(nbytes, where)
 
 
 def _with_adapters(model: nn.Module, adapter_path: Optional[Union[str, Path]]) -> nn.Module:

@@ -36,6 +36,14 @@ How an op registers and calls a kernel (e.g. ``kimi_mlx/ops/kda_chunked_metal.py
         return k(inputs=[...], template=[...], grid=..., threadgroup=...,
                  output_shapes=[...], output_dtypes=[...])
 
+Launch limits: Metal refuses a kernel whose threadgroup arrays pass ``MAX_THREADGROUP_MEMORY`` (32 KB on Apple GPUs),
+and MLX refuses a launch whose threadgroup has more threads than the compiled pipeline's
+``maxTotalThreadsPerThreadgroup`` (1024 at most, lower for a kernel that uses many registers), both only when the
+launch is evaluated, from inside ``mx.eval``. So each op caps its launch settings by what its kernel needs (e.g. no
+more SIMD-groups than there are tiles) and passes the result through ``check_threadgroup`` before launching, which
+refuses more than ``MAX_THREADS_PER_THREADGROUP`` threads or ``MAX_THREADGROUP_MEMORY`` bytes with an error naming
+the kernel, the setting and its value, and the limit.
+
 Test hook: ``with metal.emulated(factory):`` forces kernels on (whatever the device and environment) and builds
 them with ``factory`` instead of ``mx.fast.metal_kernel``; ``factory`` has the same signature, e.g.
 ``metal_emu.metal_kernel`` or ``functools.partial(metal_emu.metal_kernel, schedules=("forward", "reverse"))``.
@@ -57,6 +65,9 @@ import mlx.core as mx
 
 __all__ = [
     "KernelFile",
+    "MAX_THREADGROUP_MEMORY",
+    "MAX_THREADS_PER_THREADGROUP",
+    "check_threadgroup",
     "disabled",
     "emulated",
     "enabled",
@@ -70,6 +81,15 @@ __all__ = [
 ENV_VAR = "KIMI_MLX_KERNELS"
 _PACKAGE = "kimi_mlx.metal_kernels"
 _BODY_TAG = "// @body"
+
+# Threadgroup memory a kernel may declare: Apple GPUs' maxThreadgroupMemoryLength (Metal feature set tables).
+MAX_THREADGROUP_MEMORY = 32768
+# Threads per threadgroup every launch stays within. A device allows 1024, but a compiled pipeline's own limit
+# (maxTotalThreadsPerThreadgroup, which MLX checks at eval time) drops with the kernel's register use: 896 is
+# reported for register-heavy attention kernels on M1 Max and M2 Ultra, and measurements (philipturner's
+# metal-benchmarks) put the lowest occupancy register pressure can force at 24 SIMD-groups (768 threads) per core.
+# Half the device limit leaves a margin under all of these; no kernel here needs more.
+MAX_THREADS_PER_THREADGROUP = 512
 
 
 @dataclass(frozen=True)
@@ -179,6 +199,21 @@ def kernel(name: str) -> Callable | None:
             ensure_row_contiguous=True,
         )
     return _built[key]
+
+
+def check_threadgroup(kernel: str, setting: str, threads: int, memory: int = 0, hint: str = "") -> None:
+    """Refuse a launch of ``kernel`` whose threadgroup has more than ``MAX_THREADS_PER_THREADGROUP`` threads or
+    declares more than ``MAX_THREADGROUP_MEMORY`` bytes of threadgroup memory: ValueError naming the kernel, the
+    ``setting`` that sized it (e.g. ``"simdgroups=16"``), what it asks for and the limit, then ``hint`` (e.g. the
+    largest value that fits)."""
+    if threads > MAX_THREADS_PER_THREADGROUP:
+        asks = f"{threads} threads per threadgroup"
+        limit = f"{MAX_THREADS_PER_THREADGROUP} (kimi_mlx.metal.MAX_THREADS_PER_THREADGROUP)"
+    elif memory > MAX_THREADGROUP_MEMORY:
+        asks, limit = f"{memory} bytes of threadgroup memory", f"{MAX_THREADGROUP_MEMORY} bytes (Metal's limit)"
+    else:
+        return
+    raise ValueError(f"{kernel}: {setting} asks for {asks}, above the limit of {limit}" + (f"; {hint}" if hint else ""))
 
 
 @contextlib.contextmanager

@@ -650,6 +650,8 @@ class KimiTikTokenizer:
         if fmt == "kimi_linear":
             thinking = effort = None
             request = {}
+        # a default system prompt given here is followed by the K2 template's newline, as in render_chat
+        suffix = "\n" if "default_system" in kwargs else self.default_system_suffix
         segments = chat_format.render_chat_segments(
             conversation,
             chat_format=fmt,
@@ -659,7 +661,7 @@ class KimiTikTokenizer:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             default_system=kwargs.get("default_system", self.default_system),
-            default_system_suffix=kwargs.get("default_system_suffix", self.default_system_suffix),
+            default_system_suffix=kwargs.get("default_system_suffix", suffix),
             **request,
         )
         ids = chat_format.encode_segments(segments, self)

@@ -4,7 +4,10 @@
 //   out     = sum_i softmax(logit)_i * value_i   (values: raw_0 .. raw_{K-1}, partial), float32 accumulation
 // grid: (THREADS, N, 1)    threadgroup: (THREADS, R, 1), R <= ROWS (edge threadgroups may be partial)
 //   THREADS threads (a multiple of 32) share one row of D elements (thread j handles j, j + THREADS, ...);
-//   a threadgroup holds R rows; dot products reduce by simd_sum, then across SIMD-groups in threadgroup memory.
+//   a threadgroup holds R rows; dot products reduce by simd_sum, then across SIMD-groups in threadgroup memory
+//   (float red[ROWS][K + 2][THREADS / 32]: 4 ROWS (K + 2) THREADS / 32 bytes, within 32 KB; THREADS * ROWS within
+//   kimi_mlx.metal.MAX_THREADS_PER_THREADGROUP: both checked by attn_res_mix_metal).
+// Indices into raw / partial / out are 64-bit: K N D passes 2^32 at K3's d = 7168, K = 8 from N = 74,899 rows.
 // template: InT (raw, partial, out), K (>= 1), D, THREADS, ROWS
 // inputs:
 //   raw      [K, N, D]  InT      block snapshots (N = B * T rows)
@@ -23,8 +26,8 @@ threadgroup float red[ROWS][NACC][NSIMD];
 
 const uint tid = thread_position_in_threadgroup.x;
 const uint r = thread_position_in_threadgroup.y;
-const uint row = thread_position_in_grid.y;
-const uint N = threads_per_grid.y;  // rows
+const ulong row = thread_position_in_grid.y;
+const ulong N = threads_per_grid.y;  // rows
 const uint lane = thread_index_in_simdgroup;
 const uint sg = tid / 32;
 

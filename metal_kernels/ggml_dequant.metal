@@ -2,7 +2,8 @@
 //   out[r, k] = weight k of row r of ``blocks`` (a row is cols / ELEMS blocks of BYTES bytes, the GGUF bytes).
 // grid: (cols / 16, rows, 1)    threadgroup: (TX, TY, 1), any shape (no synchronisation, no threadgroup memory):
 //   thread (c, r) decodes the 16 consecutive weights 16 c .. 16 c + 15 of row r (chunk c % (ELEMS / 16) of block
-//   c / (ELEMS / 16)) into registers and writes them.
+//   c / (ELEMS / 16)) into registers and writes them. dequantize_metal launches TX = min(cols / 16, 256), TY =
+//   256 / TX: at most 256 threads. Row and output indices are 64-bit (ulong).
 // template: TYPE (the gguf GGMLQuantizationType number: Q2_K 10, Q3_K 11, Q6_K 14, IQ2_XXS 16, IQ2_XS 17,
 //   IQ3_XXS 18, IQ1_S 19, IQ4_NL 20, IQ3_S 21, IQ2_S 22, IQ4_XS 23, IQ1_M 29), OT (output dtype)
 // inputs:

@@ -5,7 +5,8 @@
 //   (MLX dispatches non-uniform threadgroups, so when NSG does not divide N the last one just has fewer
 //   SIMD-groups: no thread with n >= N exists). Lane l decodes the 16-weight chunks l, l + 32, ... of the row
 //   (chunk c: weights 16 c .. 16 c + 15, as in ggml_dequant), multiplies them with x in float32, and a simd_sum
-//   adds the 32 lane sums; lane 0 writes y.
+//   adds the 32 lane sums; lane 0 writes y. No threadgroup memory; matvec_metal caps NSG at N and keeps 32 NSG within
+//   kimi_mlx.metal.MAX_THREADS_PER_THREADGROUP. Row, output and pair indices are 64-bit (ulong).
 // template: TYPE (gguf GGMLQuantizationType number, as in ggml_dequant), OT (x and y dtype)
 // inputs:
 //   x       [P, K] OT                   one activation row per pair

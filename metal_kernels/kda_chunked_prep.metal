@@ -12,7 +12,8 @@
 //   wq = [Lb (K exp(G)); Q exp(G) - M (K exp(G))];  uo = [Lb V; M V];  kg = K exp(G_C - G);  decay = exp(G_C)
 //
 // Grid (32, N, B * H), N = ceil((t1 - t0) / C); threadgroup (32, 1, 1): one SIMD-group per (chunk, b, h). Lanes split
-// Dk (and Dv) as k = j * 32 + lane; the C x C matrices live in threadgroup memory (3 C^2 floats, 12 KB at C = 32).
+// Dk (and Dv) as k = j * 32 + lane; the C x C matrices live in threadgroup memory (3 C^2 floats: 12 KB at C = 32, the
+// largest chunk, within 32 KB). Buffer offsets are 64-bit (size_t); ints hold positions along one axis (tokens < 2^31).
 // Template: QT, KT, VT (q, k, v dtypes), C (8, 16 or 32), Dk, Dv, H (ints; Dk, Dv multiples of 32).
 // Inputs:
 //   q, k  [B, T, H, Dk] QT, KT   q L2-normalised and pre-scaled by Dk^-0.5, k L2-normalised

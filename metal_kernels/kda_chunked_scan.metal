@@ -13,7 +13,9 @@
 // (no matrix_origin / transpose_matrix). No threadgroup memory, no barriers.
 // Pointers into buffers are `auto`, so they keep each buffer's address space (mask may be `constant`: < 8 elements).
 //
-// Grid (32, Dv / 8, B * H); threadgroup (32, SG, 1) for any SG (SIMD-groups of independent tiles; edge groups partial).
+// Grid (32, Dv / 8, B * H); threadgroup (32, SG, 1) for any SG (SIMD-groups of independent tiles; edge groups partial);
+// kda_chunked_metal caps SG at Dv / 8 and keeps 32 SG within kimi_mlx.metal.MAX_THREADS_PER_THREADGROUP. Buffer
+// offsets are 64-bit (size_t).
 // Template: OutT (output dtype), C (chunk size, a multiple of 8), Dk, Dv, H (ints; Dk, Dv multiples of 8).
 // Inputs (float32 unless noted; N = ceil(T / C) chunks, chunk-major, as kda_chunked_prep writes them):
 //   wq       [N, B, H, 2C, Dk]  [W; Q*exp(G) - Aqk W]

@@ -6,7 +6,9 @@
 //   per step, state row S[dv, :] (float32):  S *= exp(g);  S += beta (v[dv] - S.k) k;  y[dv] = S.q
 //   masked steps (mask false) leave the state untouched and write y = 0.
 // grid: (32, Dv, B*H)    threadgroup: (32, R, 1), any R (edge threadgroups may be partial)
-//   one SIMD-group per state row (b, h, dv); lane l owns channels l, l + 32, ... (Dk / 32 of them).
+//   one SIMD-group per state row (b, h, dv); lane l owns channels l, l + 32, ... (Dk / 32 of them). No threadgroup
+//   memory; 32 R threads within kimi_mlx.metal.MAX_THREADS_PER_THREADGROUP (checked by kda_recurrent_metal).
+// Token and state indices are 64-bit: B T H Dk passes 2^32 from T = 349,526 tokens at K3's H = 96, Dk = 128.
 // template: InT (q, k, v, y), GT (f, b), Dk, Dv (multiples of 32), LOWER_BOUND (bool)
 // inputs:
 //   q, k      [B, T, H, Dk]  InT        raw (post short-conv) queries / keys
@@ -25,11 +27,11 @@
 // @outputs y state_out
 // @body
 constexpr int NPT = Dk / 32;
-const uint n = thread_position_in_grid.z;  // b * H + h
+const ulong n = thread_position_in_grid.z;  // b * H + h
 const uint dv = thread_position_in_grid.y;
 const uint lane = thread_index_in_simdgroup;
 const int H = int(q_shape[2]);
-const uint bi = n / H;
+const ulong bi = n / H;
 const uint h = n % H;
 
 const float rate = metal::exp(A_log[h]);
@@ -42,7 +44,7 @@ for (int i = 0; i < NPT; ++i) {
 }
 
 for (int t = 0; t < T; ++t) {
-  const uint row = (bi * T + t) * H + h;  // index of (b, t, h)
+  const ulong row = (bi * T + t) * H + h;  // index of (b, t, h)
   if (mask[bi * T + t]) {
     float qv[NPT], kv[NPT];
     float qss = 0.0f, kss = 0.0f;

@@ -8,6 +8,9 @@
 //   (a simd_sum of the lanes' partial dots; lane i owns latent dims i, i + 32, ...), the block's probabilities are
 //   broadcast lane by lane into the per-lane output. The NSG partial (max, sum, output) states are then merged in
 //   threadgroup memory and every thread writes output dims tid, tid + 32 NSG, ...
+//   Threadgroup memory: float sg_max[NSG], sg_sum[NSG], sg_out[NSG * DL], i.e. 4 NSG (DL + 2) bytes, within 32 KB
+//   (at DL = 512: NSG <= 15); 32 NSG threads within kimi_mlx.metal.MAX_THREADS_PER_THREADGROUP. Both are checked by
+//   mla_latent_attention_metal. Buffer indices are 64-bit.
 // template: QT (q_lat, q_rot, o_lat), KT (c_kv, k_pe), DL (latent rank r), DR (rope dim), NSG, HAS_MASK
 // inputs:
 //   q_lat  [B, H, DL]  QT    scaled latent queries
@@ -35,7 +38,7 @@ const uint h = threadgroup_position_in_grid.y;
 const uint b = threadgroup_position_in_grid.z;
 const uint H = threadgroups_per_grid.y;
 const int S = c_kv_shape[1];
-const uint row = b * H + h;
+const ulong row = (ulong)b * H + h;
 
 float ql[EL];
 float qr[ER];
@@ -56,11 +59,10 @@ for (int s0 = 32 * sg; s0 < S; s0 += 32 * NSG) {
   const int n = metal::min(32, S - s0);
   float my_score = -INFINITY;  // lane j: score of key s0 + j (-inf when masked)
   for (int j = 0; j < n; ++j) {
-    const int s = s0 + j;
-    if (HAS_MASK && !mask[b * S + s]) {
+    const ulong key = (ulong)b * S + s0 + j;
+    if (HAS_MASK && !mask[key]) {
       continue;  // uniform across the SIMD-group
     }
-    const ulong key = (ulong)b * S + s;
     float part = 0.0f;
     for (int i = 0; i < EL; ++i) {
       const uint d = lane + 32 * i;

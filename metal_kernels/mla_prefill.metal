@@ -9,7 +9,8 @@
 //   heads of (about) one query position, which read the same keys. Lane j of a key block holds key j's score (a
 //   simd_sum of the lanes' partial dots; lane i owns latent dims i, i + 32, ...); the block's probabilities are
 //   broadcast lane by lane into the per-lane output. Rows past T * H (last threadgroup) return at once; no barriers.
-//   A causal row stops at its last visible key.
+//   A causal row stops at its last visible key. No threadgroup memory; 32 NSG threads within
+//   kimi_mlx.metal.MAX_THREADS_PER_THREADGROUP (checked by mla_latent_attention_metal). Buffer indices are 64-bit.
 // template: QT (q_lat, q_rot, o_lat), KT (c_kv, k_pe), DL (latent rank r), DR (rope dim), NSG, CAUSAL, HAS_MASK
 // inputs:
 //   q_lat  [B, H, T, DL]  QT    scaled latent queries

@@ -14,13 +14,17 @@ Usage in a test module::
         kernels.assert_clean()                   # no emulator diagnostics (no-op on a GPU)
 
 ``strict_kernels`` runs every launch under the forward, reverse and a random schedule (a race shows as differing
-outputs) with the uninitialised threadgroup-memory and local-variable checks on. Emulator compiles are cached under
-``$METAL_EMU_CACHE`` (default ``~/.cache/metal_emu``).
+outputs) with the uninitialised threadgroup-memory and local-variable checks on. Every emulated launch is held to the
+project's launch limits (``kimi_mlx.metal.MAX_THREADS_PER_THREADGROUP`` threads, ``MAX_THREADGROUP_MEMORY`` bytes):
+past them the emulator reports an error. ``KernelBackend(narrow_uint=True)`` runs kernel bodies with a 16-bit
+``uint`` (see ``NARROW_UINT``). Emulator compiles are cached under ``$METAL_EMU_CACHE`` (default
+``~/.cache/metal_emu``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Iterator
 
@@ -37,6 +41,62 @@ STRICT_CHECKS = {
     "check_uninit_threadgroup": True,
     "check_uninit_locals": True,
 }
+LIMITS = {
+    "max_threads_per_threadgroup": metal.MAX_THREADS_PER_THREADGROUP,
+    "max_threadgroup_memory": metal.MAX_THREADGROUP_MEMORY,
+}
+
+# A 32-bit index that wraps at 2^32 cannot be run here (2^32 elements per buffer). With ``narrow_uint`` every `uint`
+# of a kernel body becomes this 16-bit type, which wraps at 2^16 where uint wraps at 2^32 and widens into long /
+# ulong / size_t as uint does: a launch with more than 2^16 elements in a buffer then runs the body's index arithmetic
+# at the scale where a uint index wraps (a wrong element read: the output no longer matches the pure path, or an
+# out-of-bounds diagnostic), while an index computed in ulong / size_t is unaffected. Only the body's `uint` is
+# narrowed: header helpers, the thread attributes' own type and int arithmetic keep their width.
+NARROW_UINT = r"""
+struct narrow_uint {
+  unsigned short v;
+  narrow_uint() = default;
+  narrow_uint(unsigned long x) : v((unsigned short)x) {}
+  operator unsigned int() const { return v; }
+};
+template <class T> struct narrow_op {};  // result of narrow_uint op T: narrow_uint up to 32 bits, else T
+template <> struct narrow_op<bool> { typedef narrow_uint type; };
+template <> struct narrow_op<char> { typedef narrow_uint type; };
+template <> struct narrow_op<unsigned char> { typedef narrow_uint type; };
+template <> struct narrow_op<short> { typedef narrow_uint type; };
+template <> struct narrow_op<unsigned short> { typedef narrow_uint type; };
+template <> struct narrow_op<int> { typedef narrow_uint type; };
+template <> struct narrow_op<unsigned int> { typedef narrow_uint type; };
+template <> struct narrow_op<long> { typedef long type; };
+template <> struct narrow_op<unsigned long> { typedef unsigned long type; };
+#define NARROW_ARITH(op)                                                                                  \
+  inline narrow_uint operator op(narrow_uint a, narrow_uint b) { return narrow_uint(a.v op (unsigned int)b.v); } \
+  template <class T> typename narrow_op<T>::type operator op(narrow_uint a, T b) {                         \
+    return typename narrow_op<T>::type((unsigned int)a.v op b);                                           \
+  }                                                                                                       \
+  template <class T> typename narrow_op<T>::type operator op(T a, narrow_uint b) {                         \
+    return typename narrow_op<T>::type(a op (unsigned int)b.v);                                           \
+  }                                                                                                       \
+  template <class T> narrow_uint& operator op##=(narrow_uint& a, T b) {                                   \
+    a = narrow_uint((unsigned long)(a op b));                                                             \
+    return a;                                                                                             \
+  }
+#define NARROW_CMP(op)                                                                                    \
+  inline bool operator op(narrow_uint a, narrow_uint b) { return a.v op b.v; }                            \
+  template <class T, class = typename narrow_op<T>::type> bool operator op(narrow_uint a, T b) {          \
+    return (unsigned int)a.v op b;                                                                        \
+  }                                                                                                       \
+  template <class T, class = typename narrow_op<T>::type> bool operator op(T a, narrow_uint b) {          \
+    return a op (unsigned int)b.v;                                                                        \
+  }
+NARROW_ARITH(+) NARROW_ARITH(-) NARROW_ARITH(*) NARROW_ARITH(/) NARROW_ARITH(%)
+NARROW_ARITH(&) NARROW_ARITH(|) NARROW_ARITH(^) NARROW_ARITH(<<) NARROW_ARITH(>>)
+NARROW_CMP(<) NARROW_CMP(<=) NARROW_CMP(>) NARROW_CMP(>=) NARROW_CMP(==) NARROW_CMP(!=)
+inline narrow_uint& operator++(narrow_uint& a) { return a += 1; }
+inline narrow_uint operator++(narrow_uint& a, int) { narrow_uint old = a; a += 1; return old; }
+inline narrow_uint& operator--(narrow_uint& a) { return a -= 1; }
+inline narrow_uint operator--(narrow_uint& a, int) { narrow_uint old = a; a -= 1; return old; }
+"""
 
 
 def backend_name() -> str:
@@ -54,11 +114,15 @@ def backend_name() -> str:
 class KernelBackend:
     """Where kernels run. On the emulator every launch is recorded (``results``) with the given checks."""
 
-    def __init__(self, **checks):
+    def __init__(self, narrow_uint: bool = False, **checks):
         self.name = backend_name()
-        self.checks = checks
+        if narrow_uint and self.name != "emulator":
+            pytest.skip("the 16-bit uint (NARROW_UINT) is an emulator build; a GPU runs the kernels as written")
+        self.narrow_uint = narrow_uint
+        self.checks = {**LIMITS, **checks}
         self.results = []  # (kernel name, metal_emu.EmuResult) of every emulated launch
         self.launched: list[str] = []  # kernel name (``kimi_<file stem>``) of every emulated launch
+        self.threadgroups: list[tuple[int, ...]] = []  # the threadgroup every launch asked for
 
     def _factory(self, **spec):
         """Builds a kernel (real, or emulated with ``checks``) whose launches are recorded."""
@@ -69,6 +133,9 @@ class KernelBackend:
                 sys.path.insert(0, str(EMU_DIR))
             import metal_emu
 
+            if self.narrow_uint:
+                body = re.sub(r"\buint\b", "narrow_uint", spec["source"])
+                spec = dict(spec, header=NARROW_UINT + spec["header"], source=body)
             k = metal_emu.metal_kernel(**spec, **self.checks)
 
         def launch(**kw):
@@ -76,6 +143,7 @@ class KernelBackend:
             if self.name == "emulator":
                 self.results.append((spec["name"], k.last_result))
             self.launched.append(spec["name"])
+            self.threadgroups.append(tuple(kw["threadgroup"]))
             return out
 
         return launch

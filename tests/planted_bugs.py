@@ -231,6 +231,92 @@ BUGS: tuple[PlantedBug, ...] = (
           "            for c in self.cache:\n                c.offset = len(self.tokens)\n"),),
         ("tests/test_chat_session.py::test_ctrl_c_inside_a_model_call",),
     ),
+    # -- chat formats against the official templates, tool-call ids (issue 20 item 2)
+    PlantedBug(
+        "chat: the Kimi Linear template's call counter starts at 1",
+        (("kimi_mlx/chat/format.py", "    counter = 0  # calls so far in the conversation",
+          "    counter = 1  # calls so far in the conversation"),),
+        ("tests/test_chat_templates.py::test_kimi_linear_named_conversations_match_the_template",),
+    ),
+    PlantedBug(
+        "chat: Kimi Linear writes the client's call id instead of functions.{name}:{n}",
+        (("kimi_mlx/chat/format.py", 'call_id = f"functions.{name}:{counter}"\n                counter += 1',
+          'call_id = str(call.get("id") or f"functions.{name}:{counter}")\n                counter += 1'),),
+        ("tests/test_chat_templates.py::test_kimi_linear_named_conversations_match_the_template",),
+    ),
+    PlantedBug(
+        "chat: a Kimi Linear tool result is labelled with its tool_call_id instead of the oldest open call",
+        (("kimi_mlx/chat/format.py", "                call_id = pending_ids.pop(0)\n",
+          '                call_id = msg.get("tool_call_id") or pending_ids[0]\n'
+          "                pending_ids.pop(0)\n"),),
+        ("tests/test_chat_templates.py::test_kimi_linear_named_conversations_match_the_template",),
+    ),
+    PlantedBug(
+        "chat: a Kimi Linear tool message's role slot ignores its name (always 'tool')",
+        (("kimi_mlx/chat/format.py", "        tx(str(msg.get(\"name\") or role))",
+          "        tx(str(role if role == \"tool\" else (msg.get(\"name\") or role)))"),),
+        ("tests/test_chat_templates.py::test_kimi_linear_named_conversations_match_the_template",),
+    ),
+    PlantedBug(
+        "chat: Kimi Linear tools not key-sorted as tokenization_kimi.py sorts them",
+        (("kimi_mlx/chat/format.py", 'tx(_tojson(list(tools), "tools", sort_keys=True))',
+          'tx(_tojson(list(tools), "tools"))'),),
+        ("tests/test_chat_templates.py::test_kimi_linear_named_conversations_match_the_template",),
+    ),
+    PlantedBug(
+        "chat: K3 JSON-string arguments not normalised (written as a raw json block)",
+        (("kimi_mlx/chat/format_k3.py", "            return {}, None\n        try:\n",
+          "            return {}, None\n        return {}, arguments\n        try:\n"),),
+        ("tests/test_chat_templates.py::test_k3_string_arguments_follow_the_encoder_not_the_jinja_port",
+         "tests/test_chat_templates.py::test_k3_named_conversations_match_the_encoder"),
+    ),
+    PlantedBug(
+        "chat: K3 attribute pieces merged into one text segment before encoding",
+        (("kimi_mlx/chat/format_k3.py",
+          "        segs += [(False, f\" {key}\"), (False, '=\"')]\n        if escaped := escape_attr(value):\n"
+          "            segs.append((False, escaped))\n        segs.append((False, '\"'))\n",
+          "        segs.append((False, f' {key}=\"{escape_attr(value)}\"'))\n"),),
+        ("tests/test_chat_templates.py::test_k3_attribute_pieces_are_encoded_one_by_one",
+         "tests/test_chat_templates.py::test_k3_generated_conversations_match_the_encoder"),
+    ),
+    PlantedBug(
+        "chat: K3 content parts joined into one text segment before encoding",
+        (("kimi_mlx/chat/format.py", "            content_parts=_content_parts,",
+          "            content_parts=lambda c, r: [_content_text(c, r)],"),),
+        ("tests/test_chat_templates.py::test_k3_generated_conversations_match_the_encoder",
+         "tests/test_chat_templates.py::test_k3_named_conversations_match_the_encoder"),
+    ),
+    PlantedBug(
+        "chat: apply_chat_template drops the template's newline after an explicitly given default system prompt",
+        (("kimi_mlx/tokenizer.py", 'suffix = "\\n" if "default_system" in kwargs else self.default_system_suffix',
+          "suffix = self.default_system_suffix"),),
+        ("tests/test_chat_templates.py::test_kimi_linear_generated_conversations_match_the_template",),
+    ),
+    PlantedBug(
+        "tool ids: the template id counter starts at 1",
+        (("kimi_mlx/chat/tool_ids.py", 'f"functions.{name}:{len(out)}"', 'f"functions.{name}:{len(out) + 1}"'),),
+        ("tests/test_chat_tool_ids.py::test_tool_call_ids_count_across_the_conversation",
+         "tests/test_chat_tool_ids.py::test_results_in_any_order_render_as_the_template_in_call_order"),
+    ),
+    PlantedBug(
+        "tool ids: the server leaves tool results in the client's order",
+        (("kimi_mlx/chat/tool_ids.py", "out[i:j] = [run[k] for k in answer_order(awaiting, run, complete=complete)]",
+          "answer_order(awaiting, run, complete=complete)"),),
+        ("tests/test_chat_tool_ids.py::test_real_server_renders_the_template_ids_in_call_order",
+         "tests/test_chat_tool_ids.py::test_openai_client_round_trips_the_template_ids"),
+    ),
+    PlantedBug(
+        "tool ids: a call left without a result is not refused",
+        (("kimi_mlx/chat/tool_ids.py", "    if complete and len(answered) < len(calls):",
+          "    if False:"),),
+        ("tests/test_chat_tool_ids.py::test_unpairable_results_are_refused_naming_the_ids",),
+    ),
+    PlantedBug(
+        "chat session: tool_results kept in the order given",
+        (("kimi_mlx/chat/session.py", "messages = [messages[k] for k in answer_order(calls, messages, complete=False)]",
+          "answer_order(calls, messages, complete=False)"),),
+        ("tests/test_chat_tool_ids.py::test_session_tool_results_in_call_order",),
+    ),
     # -- error types, platform guards, LoRA truncation (items 5, 7, 8)
     PlantedBug(
         "LoRA training ignores max_seq_length (no truncation)",
@@ -371,6 +457,86 @@ BUGS: tuple[PlantedBug, ...] = (
           "        finally:\n"),),
         ("tests/test_server_api.py::test_disconnect_stops_the_generation",),
     ),
+    # -- server: every accepted value checked before the engine (issue 20)
+    PlantedBug(
+        "serve: a negative seed reaches mx.random.key unmapped",
+        (("kimi_mlx/server/sampling.py", "mx.random.key(seed % 2**64)", "mx.random.key(seed)"),),
+        ("tests/test_server_errors.py::test_accepted_edge_values",),
+    ),
+    PlantedBug(
+        "serve: a negative seed reaches mx.random.key unmapped (found by the property-based run)",
+        (("kimi_mlx/server/sampling.py", "mx.random.key(seed % 2**64)", "mx.random.key(seed)"),),
+        ("tests/test_server_schema.py::test_no_server_error",),
+    ),
+    PlantedBug(
+        "serve: seeds outside the signed 64-bit range accepted",
+        (("kimi_mlx/server/schemas.py", "seed: Optional[integer(ge=-INT64, le=INT64 - 1)]", "seed: Optional[integer()]"),),
+        ("tests/test_server_errors.py::test_bad_request",),
+    ),
+    PlantedBug(
+        "serve: top_k at or past the vocabulary handed to the sampler",
+        (("kimi_mlx/server/backend.py", "    if params.top_k >= backend.vocab_size:\n        params.top_k = 0\n", ""),),
+        ("tests/test_server_errors.py::test_accepted_edge_values",),
+    ),
+    PlantedBug(
+        "serve: logit_bias keys checked with lstrip('-').isdigit()",
+        (("kimi_mlx/server/backend.py", "if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < backend.vocab_size):",
+          "if not key.lstrip(\"-\").isdigit() or not 0 <= int(key) < backend.vocab_size:"),),
+        ("tests/test_server_errors.py::test_bad_request",),
+    ),
+    PlantedBug(
+        "serve: JSON nesting depth unchecked",
+        (("kimi_mlx/server/schemas.py", "MAX_JSON_DEPTH = 100 ", "MAX_JSON_DEPTH = 10**9 "),),
+        ("tests/test_server_errors.py::test_bad_request",),
+    ),
+    PlantedBug(
+        "serve: non-finite log-probabilities sent as they are (NaN, -Infinity)",
+        (("kimi_mlx/server/openai_routes.py",
+          "    return LOGPROB_FLOOR if math.isnan(value) else min(0.0, max(LOGPROB_FLOOR, value))", "    return value"),),
+        ("tests/test_server_errors.py::test_accepted_edge_values",),
+    ),
+    PlantedBug(
+        "serve: integers written 2.0 refused",
+        (("kimi_mlx/server/schemas.py", "    return int(value) if isinstance(value, float) and value.is_integer() else value",
+          "    return value"),),
+        ("tests/test_server_errors.py::test_accepted_edge_values",),
+    ),
+    PlantedBug(
+        "serve: response_format text passed on with its extra keys (refused by the Kimi Linear route)",
+        (("kimi_mlx/server/schemas.py", "        if self.type == \"text\":\n            return None\n", ""),),
+        ("tests/test_server_errors.py::test_accepted_edge_values",),
+    ),
+    PlantedBug(
+        "serve: a 500 carries the exception's text",
+        (("kimi_mlx/server/app.py", "_error_response(request, ApiError(500, INTERNAL_ERROR))",
+          "_error_response(request, ApiError(500, f\"{INTERNAL_ERROR}: {err}\"))"),),
+        ("tests/test_server_app.py::test_internal_failures_keep_their_details_in_the_log",),
+    ),
+    PlantedBug(
+        "serve: an upload the client abandons goes to the 500 handler (a traceback in the log)",
+        (("kimi_mlx/server/app.py", "    @app.exception_handler(ClientDisconnect)\n", "    @app.exception_handler(ConnectionAbortedError)\n"),),
+        ("tests/test_server_errors.py::test_upload_abandoned_is_one_log_line",),
+    ),
+    PlantedBug(
+        "serve: SIGTERM ends the process before its exit path",
+        (("kimi_mlx/cli/serve.py", "    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, \"should_exit\", True))\n", ""),),
+        ("tests/test_server_cli.py::test_signal_shuts_down_cleanly",),
+    ),
+    PlantedBug(
+        "serve: Anthropic thinking.budget_tokens ignored",
+        (("kimi_mlx/server/scheduler.py", "            row.follow_budget(token)\n", ""),),
+        ("tests/test_server_k3.py::test_anthropic_thinking_budget",),
+    ),
+    PlantedBug(
+        "serve: the reasoning budget closes the section one token late",
+        (("kimi_mlx/server/scheduler.py", "            if self.reasoning_left == 0:", "            if self.reasoning_left == -1:"),),
+        ("tests/test_server_k3.py::test_anthropic_thinking_budget",),
+    ),
+    PlantedBug(
+        "serve: the reasoning budget ignores the model's own end of the section",
+        (("kimi_mlx/server/scheduler.py", "            if token in budget.ends:\n", "            if False:\n"),),
+        ("tests/test_server_scheduler.py::test_reasoning_budget",),
+    ),
     PlantedBug(
         "GGUF: block types (IQ*, Q6_K) are decoded to float instead of kept as blocks",
         (("kimi_mlx/loading.py",
@@ -406,6 +572,41 @@ BUGS: tuple[PlantedBug, ...] = (
         "ggml Metal: the mat-vec kernel keeps lane 0's partial sum (no simd_sum)",
         (("metal_kernels/ggml_matvec.metal", "acc = simd_sum(acc);", "acc = acc;"),),
         ("tests/test_metal_ggml.py::test_matvec_plain_and_gathered",),
+    ),
+    # -- Metal launch limits and 64-bit indices (issue 20 item 4)
+    PlantedBug(
+        "Metal limits: mla_decode's threadgroup memory unchecked (simdgroups=16 at kv_lora 512 asks for 32,896 bytes)",
+        (("kimi_mlx/ops/mla_attention_metal.py", "    memory = decode_threadgroup_bytes(simdgroups, r) if decode else 0\n",
+          "    memory = 0\n"),),
+        ("tests/test_metal_limits.py::test_settings_past_the_limits_are_refused_before_launch",),
+    ),
+    PlantedBug(
+        "Metal limits: threads per threadgroup allowed up to the device's 1024 (above a register-heavy pipeline's limit)",
+        (("kimi_mlx/metal.py", "MAX_THREADS_PER_THREADGROUP = 512\n", "MAX_THREADS_PER_THREADGROUP = 1024\n"),),
+        ("tests/test_metal_limits.py::test_settings_past_the_limits_are_refused_before_launch",),
+    ),
+    PlantedBug(
+        "Metal limits: the chunked scan's SIMD-groups not capped at the Dv / 8 tiles there are",
+        (("kimi_mlx/ops/kda_chunked_metal.py", "    sg = min(simdgroups, Dv // 8)", "    sg = simdgroups"),),
+        ("tests/test_metal_limits.py::test_kda_kernels_at_real_head_dims",),
+    ),
+    PlantedBug(
+        "Metal indices: attn_res_mix indexes its rows with a 32-bit uint",
+        (("metal_kernels/attn_res_mix.metal", "const ulong row = thread_position_in_grid.y;",
+          "const uint row = thread_position_in_grid.y;"),
+         ("metal_kernels/attn_res_mix.metal", "const ulong N = threads_per_grid.y;", "const uint N = threads_per_grid.y;")),
+        ("tests/test_metal_limits.py::test_attn_res_mix_indices_past_uint",),
+    ),
+    PlantedBug(
+        "Metal indices: kda_recurrent's token row index is a 32-bit uint",
+        (("metal_kernels/kda_recurrent.metal", "  const ulong row = (bi * T + t) * H + h;",
+          "  const uint row = (bi * T + t) * H + h;"),),
+        ("tests/test_metal_limits.py::test_kda_recurrent_indices_past_uint",),
+    ),
+    PlantedBug(
+        "Metal indices: mla_decode's query row index is a 32-bit uint",
+        (("metal_kernels/mla_decode.metal", "const ulong row = (ulong)b * H + h;", "const uint row = b * H + h;"),),
+        ("tests/test_metal_limits.py::test_mla_indices_past_uint",),
     ),
     # -- paged latent cache (issue 20 item 3)
     PlantedBug(
@@ -459,6 +660,53 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/ops/mla_attention.py", "real_key = k_pos[None, None, :] >= self.left_padding[:, None, None]",
           "real_key = k_pos[None, None, :] > self.left_padding[:, None, None]"),),
         ("tests/test_mla_blockwise.py", "tests/test_cache_merge.py"),
+    ),
+    # -- memory on a Mac (issue 20 items 5 and 6)
+    PlantedBug(
+        "plan: a host's whole memory counted as its GPU working set",
+        (("kimi_mlx/parallel/plan.py", "        return default_working_set(int(self.memory_gib * GIB))\n",
+          "        return int(self.memory_gib * GIB)\n"),),
+        ("tests/test_parallel_plan.py::test_k3_on_four_macs_needs_the_wired_limit_raised",
+         "tests/test_parallel_plan.py::test_cli_says_when_to_raise_the_wired_limit"),
+    ),
+    PlantedBug(
+        "plan: the advised wired limit leaves no room for activations",
+        (("kimi_mlx/ops/memory.py", "    return math.ceil(nbytes / FILL / MIB)", "    return math.ceil(nbytes / MIB)"),),
+        ("tests/test_mac_memory.py::test_fit_advice_is_a_limit_that_fits",
+         "tests/test_parallel_plan.py::test_k3_on_four_macs_needs_the_wired_limit_raised"),
+    ),
+    PlantedBug(
+        "stream_generate does not wire the model's memory",
+        (("kimi_mlx/generate.py", "@wired_during(generation_stream)\ndef stream_generate(", "def stream_generate("),),
+        ("tests/test_mac_memory.py::test_every_api_path_generates_wired",),
+    ),
+    PlantedBug(
+        "wired: the previous wired limit is not restored",
+        (("kimi_mlx/ops/memory.py", "            mx.synchronize(s)\n        set_wired_limit(previous)",
+          "            mx.synchronize(s)"),),
+        ("tests/test_mac_memory.py::test_every_api_path_generates_wired",),
+    ),
+    PlantedBug(
+        "load: no warning when the weights fill the GPU working set",
+        (("kimi_mlx/loading.py", "    check_fits(nbytes, where)\n", "    del nbytes, where\n"),),
+        ("tests/test_mac_memory.py::test_load_warns_past_the_working_set",),
+    ),
+    PlantedBug(
+        "CLI: the commands do not wire the model's memory",
+        (("kimi_mlx/cli/generate.py", "        loaded = True\n        keep_wired()\n", "        loaded = True\n"),),
+        ("tests/test_mac_memory.py::test_cli_commands_keep_the_memory_wired",),
+    ),
+    PlantedBug(
+        "serve: --cache-limit ignored",
+        (("kimi_mlx/cli/serve.py", "default_cache_limit() if args.cache_limit is None else args.cache_limit",
+          "default_cache_limit()"),),
+        ("tests/test_mac_memory.py::test_serve_caps_the_buffer_cache",),
+    ),
+    PlantedBug(
+        "GGML embedding returns float32 whatever the model's dtype",
+        (("kimi_mlx/layers/ggml.py", "dequantize(self[\"weight\"][ids], self.ggml_type).astype(self.dtype)",
+          "dequantize(self[\"weight\"][ids], self.ggml_type)"),),
+        ("tests/test_gguf_native.py::test_block_embedding_keeps_a_bfloat16_model_in_bfloat16",),
     ),
 )
 

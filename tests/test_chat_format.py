@@ -86,9 +86,11 @@ KL_SYSTEM_USER = (
     "<|im_user|>user<|im_middle|>Is 123 a prime?<|im_end|><|im_assistant|>assistant<|im_middle|>"
 )
 KL_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+# the spec's tool round, with the tool's keys sorted as the checkpoint's tokenization_kimi.py sorts them before
+# rendering (`deep_sort_dict`; the spec rendered the template alone)
 KL_TOOL_ROUND = (
-    '<|im_system|>tool_declare<|im_middle|>[{"type": "function", "function": {"name": "get_weather", "parameters": '
-    '{"type": "object"}}}]<|im_end|><|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot '
+    '<|im_system|>tool_declare<|im_middle|>[{"function": {"name": "get_weather", "parameters": {"type": "object"}}, '
+    '"type": "function"}]<|im_end|><|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot '
     "AI.<|im_end|>\n<|im_user|>user<|im_middle|>Weather in Tokyo?<|im_end|><|im_assistant|>assistant<|im_middle|>"
     "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
     '{"city": "Tokyo"}<|tool_call_end|><|tool_calls_section_end|><|im_end|><|im_system|>tool<|im_middle|>'
@@ -197,14 +199,16 @@ def test_k3_attribute_escaping_and_names(k3tok):
 
 
 def test_k3_arguments_json_block_and_types(k3tok):
-    """Typed arguments carry the JSON type (bool before number), strings stay raw; string arguments become a json
-    block; a system message with tools is a dynamic declaration."""
+    """Typed arguments carry the JSON type (bool before number), strings stay raw; JSON-string arguments are parsed
+    into typed arguments as Moonshot's encoder does, and only a string that is not JSON becomes a json block; a
+    system message with tools is a dynamic declaration."""
     args = {"s": "x y", "n": 1.5, "b": True, "z": None, "o": {"k": [1]}, "a": [1, "2"]}
     msgs = [
         {"role": "system", "tools": [{"function": {"name": "g"}, "type": "function"}]},
         {"role": "user", "content": "go"},
         {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": args}}]},
         {"role": "assistant", "tool_calls": [{"function": {"name": "g", "arguments": '{"q": 1}'}}]},
+        {"role": "assistant", "tool_calls": [{"function": {"name": "g", "arguments": '{"q": 1'}}]},
     ]
     text = render_chat_text(k3tok, msgs, thinking=False, add_generation_prompt=False)
     assert "## New Tools Available\n" in text and '```json\n[{"function":{"name":"g"},"type":"function"}]\n```' in text
@@ -217,7 +221,8 @@ def test_k3_arguments_json_block_and_types(k3tok):
         ("a", "array", '[1, "2"]'),
     ]:
         assert f'<|open|>argument key="{key}" type="{typ}"<|sep|>{val}<|close|>argument<|sep|>' in text
-    assert '<|open|>json type="object"<|sep|>{"q": 1}<|close|>json<|sep|>' in text
+    assert '<|open|>argument key="q" type="number"<|sep|>1<|close|>argument<|sep|>' in text
+    assert '<|open|>json type="object"<|sep|>{"q": 1<|close|>json<|sep|>' in text and text.count("json type") == 1
 
 
 def test_k3_tool_results_reordered_by_call_id(k3tok):

@@ -1,5 +1,6 @@
-"""bench/kernels.py runs every timed path (tiny shapes: emulated kernels on Linux, the real GPU on a Mac) and says
-so and exits 0 on a machine with neither Metal nor the emulator flag."""
+"""bench/kernels.py runs every timed path (tiny shapes: emulated kernels on Linux, at the real head dims and latent
+rank and held to the launch limits; the real GPU on a Mac) and says so and exits 0 on a machine with neither Metal nor
+the emulator flag."""
 
 import subprocess
 import sys

@@ -174,7 +174,7 @@ def test_bad_arguments_and_fallback(kernels):
             matvec_metal(x, blocks, "IQ4_NL", mx.array([0]))
         with pytest.raises(ValueError, match="without indices"):
             matvec_metal(x, blocks[None], "IQ4_NL")
-        with pytest.raises(ValueError, match=r"rows_per_threadgroup must be in \[1, 32\], got 0"):
+        with pytest.raises(ValueError, match=r"rows_per_threadgroup must be >= 1, got 0"):
             matvec_metal(x, blocks, "IQ4_NL", rows_per_threadgroup=0)
     with metal.disabled():
         assert dequantize_metal(blocks, "IQ4_NL") is None

@@ -385,3 +385,85 @@ def test_cli_subprocess_kimi_linear_one_mac(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)  # the installed package
     assert proc.returncode == 0, proc.stderr
     assert "weights as loaded: 27.66 GB" in proc.stdout and "fits" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------ the GPU working set
+
+MIB = 2**20
+
+
+def test_k3_on_four_macs_needs_the_wired_limit_raised(k3_raw):
+    """By default macOS lets the GPU of a 512 GiB Mac wire 384 GiB (macOS 13-15: 3/4 of memory), 412.3 GB: K3's
+    ranks need 390.5-395.6 GB at 32K tokens, over 90% of it, so every host is raised to the limit at which the
+    largest takes 90% (all by the same factor: load's split by working set stays the planned one). With that limit,
+    or macOS 26's measured 464 GiB, nothing is left to raise."""
+    acct = account_config(k3_raw)
+    four = plan_pipeline(acct, [Host(512)] * 4, LINK)
+    assert [r.host.working_set for r in four.ranks] == [384 * GIB] * 4
+    assert four.fits and [round(r.need / GB, 2) for r in four.ranks] == [395.61, 391.31, 390.92, 390.53]
+    assert not any(r.wired_ok for r in four.ranks)
+    limit = math.ceil(395.61e9 / 0.9 / MIB)
+    assert four.wired_limits() == {r: pytest.approx(limit, abs=6) for r in range(4)}  # need rounded to 0.01 GB
+    raised = plan_pipeline(acct, [Host(512, wired_limit_gib=four.wired_limits()[0] / 1024)] * 4, LINK)
+    assert raised.wired_limits() == {} and [len(r.layers) for r in raised.ranks] == [24, 23, 23, 23]
+    assert plan_pipeline(acct, [Host(512, wired_limit_gib=464)] * 4, LINK).wired_limits() == {}
+
+
+def test_pipeline_split_follows_the_working_sets(k3_raw):
+    """Layers in proportion to each host's working set (what load's split gets from each Mac): a host with a raised
+    limit takes more; raising both keeps the ratio of their working sets, so the split stays; a given split is
+    kept and only the ranks short of their working set are raised."""
+    acct = account_config(k3_raw)
+    hosts = [Host(512, wired_limit_gib=480), Host(512), Host(512), Host(512)]
+    plan = plan_pipeline(acct, hosts, LINK)
+    assert [r.layers for r in plan.ranks] == pipeline_ranges(acct.layer_bytes(), [480 * GIB] + [384 * GIB] * 3)
+    assert [len(r.layers) for r in plan.ranks] == [28, 22, 21, 22]
+    assert plan.fits and [r.wired_ok for r in plan.ranks] == [True, False, True, False]
+    limits = plan.wired_limits()
+    assert sorted(limits) == [0, 1, 2, 3] and plan.tight(limits) == []
+    ratios = [limits[r] * MIB / h.working_set for r, h in enumerate(hosts)]
+    assert max(ratios) - min(ratios) < 1e-5
+    given = plan_pipeline(account_config(k3_raw, quantize=QuantSpec(4, 64)), [Host(512)] * 4, LINK,
+                          split="30,21,21,21")
+    assert [r.rank for r in given.ranks if not r.wired_ok] == [0]
+    assert given.wired_limits() == {0: math.ceil(given.ranks[0].need / 0.9 / MIB)}
+
+
+def test_tensor_plan_raises_only_the_short_rank_and_caps_at_usable(kl_raw, k3_raw):
+    """Tensor parallelism over a 128 and a 64 GiB Mac: the halves are equal, so only the smaller host is short of
+    its working set. Ranks that fit memory - reserve but not with 10% to spare are raised to memory - reserve (the
+    same factor for all: 392 / 300 GiB) and named tight."""
+    plan = plan_tensor(account_config(kl_raw), [Host(128), Host(64)], LINK, context=200_000)
+    assert plan.fits and [r.wired_ok for r in plan.ranks] == [True, False]
+    assert plan.wired_limits() == {1: math.ceil(plan.ranks[1].need / 0.9 / MIB)}
+    tight = plan_pipeline(account_config(k3_raw), [Host(400)] * 4, LINK)
+    assert tight.fits and tight.wired_limits() == {r: (400 - 8) * 1024 for r in range(4)}
+    assert tight.tight(tight.wired_limits()) == [0, 1, 2, 3]
+
+
+def test_cli_says_when_to_raise_the_wired_limit(capsys):
+    base = ["plan", "--model", str(CONFIGS / "kimi-k3.json"), "--hosts", "512,512,512,512"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "GPU set" in out and out.count(" 412.32 ") == 4
+    assert "fits: every rank has room (least free: rank 0, 145.55 GB) once the GPU wired limit is raised:" in out
+    assert "rank 0 96%, rank 1 95%, rank 2 95%, rank 3 95%" in out
+    assert "on the host of ranks 0, 1, 2, 3: sudo sysctl iogpu.wired_limit_mb=419208 (409.4 GiB; until reboot)" in out
+    assert main(base + ["--wired-limit", "464"]) == 0
+    assert "within each host's GPU working set (fullest: rank 0, 79% of it)" in capsys.readouterr().out
+    assert main(base + ["--wired-limit", "464,0,0,0"]) == 0
+    assert "sysctl" in capsys.readouterr().out  # 0: the host's default
+    assert main(["plan", "--model", str(CONFIGS / "kimi-k3.json"), "--hosts", "400,400,400,400"]) == 0
+    out = capsys.readouterr().out
+    assert "sudo sysctl iogpu.wired_limit_mb=401408 (392.0 GiB; until reboot)" in out
+    assert "TIGHT: rank(s) [0, 1, 2, 3] still take more than 90%" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--wired-limit", "600"], "host 0: wired limit 600 GiB; expected a positive number no larger than its 512 GiB"),
+    (["--wired-limit", "400,400,400"], "3 values for 2 hosts"),
+    (["--wired-limit", "-1"], "expected positive numbers (or 0)"),
+])
+def test_cli_bad_wired_limits(capsys, argv, message):
+    assert main(["plan", "--model", str(CONFIGS / "kimi-k3.json"), "--hosts", "512,512"] + argv) == 2
+    assert message in capsys.readouterr().err

@@ -1,13 +1,15 @@
 """The HTTP layer in-process (``kimi_mlx.server``): the app on a scripted engine (a stand-in for the scheduler that
 replays a given reply's tokens), driven by the official ``openai`` and ``anthropic`` clients over Starlette's test
 client, so reply parsing (reasoning, tool calls, finish reasons, Anthropic blocks and events) is checked on exact
-model output; ``/health`` while loading; ``TextStream`` stop strings and UTF-8; message boundaries of prompts.
+model output; ``/health`` while loading; failures inside the server answered without their exception text;
+``TextStream`` stop strings and UTF-8; message boundaries of prompts.
 
 The real engine and real models are in ``test_server_api.py`` / ``test_server_k3.py`` / ``test_server_errors.py``.
 """
 
 import asyncio
 import json
+import logging
 import threading
 
 import anthropic
@@ -20,6 +22,7 @@ from xtml_tokenizer import load_xtml_tokenizer
 from kimi_mlx.chat.format import render_chat, render_chat_with_starts
 from kimi_mlx.server.app import create_app
 from kimi_mlx.server.backend import Backend, render_prompt
+from kimi_mlx.server.errors import GENERATION_FAILED, INTERNAL_ERROR
 from kimi_mlx.server.scheduler import FinishEvent, TokenEvent
 from kimi_mlx.server.text_stream import TextStream
 from kimi_mlx.tokenizer import load_kimi_tokenizer
@@ -169,7 +172,11 @@ def test_k3_anthropic_blocks_and_events(k3_tok):
             final = stream.get_final_message()
         assert kinds == ["message_start", "content_block_start", "content_block_stop", "content_block_start",
                          "content_block_stop", "message_delta", "message_stop"]
-        assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
+        def same(blocks):  # each message's tool_use ids are its own: toolu_{message}_{n}
+            return [{k: v for k, v in b.model_dump().items() if k != "id"} for b in blocks]
+
+        assert same(final.content) == same(msg.content)
+        assert [b.id for b in (msg.content[1], final.content[1])] == [f"toolu_{m.id[4:]}_0" for m in (msg, final)]
         assert final.stop_reason == "tool_use"
 
 
@@ -248,6 +255,57 @@ def test_health_while_loading(kl_tok):
         r = http.get("/health")
         assert r.status_code == 503 and "no such model" in r.json()["error"]
         assert isinstance(errors[0], OSError)
+
+
+SECRET = "key(): incompatible function arguments"  # an MLX signature, as an engine failure once carried
+
+
+class FailedStream(ScriptedStream):
+    """A generation that ends in an engine error before its first token."""
+
+    async def __aiter__(self):
+        yield FinishEvent("error", len(self.request.tokens), 0, 0, f"TypeError: {SECRET}")
+
+
+class FailingEngine(ScriptedEngine):
+    """Every request fails inside the server: ``submit`` raises (``on_submit``) or the generation fails."""
+
+    def __init__(self, on_submit: bool):
+        super().__init__([])
+        self.on_submit = on_submit
+
+    def submit(self, request):
+        if self.on_submit:
+            raise TypeError(SECRET)
+        return FailedStream(request, [], 0, 0.0)
+
+
+@pytest.mark.parametrize("on_submit", [True, False], ids=["route-raises", "engine-error"])
+def test_internal_failures_keep_their_details_in_the_log(kl_tok, caplog, on_submit):
+    """A failure that is not the client's: 500 with a fixed message in the route's error style (streamed: an error
+    event), never the exception's text; the server log has it."""
+    backend = Backend(FailingEngine(on_submit), kl_tok, "kimi_linear", len(kl_tok), 4096)
+    message = INTERNAL_ERROR if on_submit else GENERATION_FAILED
+    bodies = []
+    with caplog.at_level(logging.INFO, "kimi_mlx.server"), \
+            TestClient(create_app(backend, model_id="m"), raise_server_exceptions=False) as http:
+        r = http.post("/v1/chat/completions", json={"messages": [USER]})
+        assert r.status_code == 500 and r.json()["error"]["message"] == message
+        bodies.append(r.text)
+        r = http.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": [USER]})
+        assert r.status_code == 500
+        assert r.json() == {"type": "error", "error": {"type": "api_error", "message": message}}
+        bodies.append(r.text)
+        if not on_submit:
+            raw = http.post("/v1/completions", json={"prompt": "x", "stream": True}).text
+            assert json.loads(raw.split("data: ")[-2])["error"]["message"] == message
+            bodies.append(raw)
+            raw = http.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": [USER],
+                                                  "stream": True}).text
+            assert "event: error" in raw and message in raw
+            bodies.append(raw)
+    assert not any(SECRET in b for b in bodies)
+    assert SECRET in caplog.text
 
 
 def test_text_stream_stop_strings_and_utf8(kl_tok):

@@ -1,18 +1,20 @@
 """``kimi-mlx serve`` on the tiny Kimi-K3 checkpoint with the XTML chat format (tests/xtml_tokenizer.py), driven by
 the official clients: reasoning (thinking on by default, off, by effort) returned as ``reasoning_content`` /
-``reasoning`` and as Anthropic thinking blocks, and a tool-call round trip (reasoning and typed arguments sent
-back). Expected: greedy ``stream_generate`` on the same rendered prompt in this process, parsed with
-``parse_reply``.
+``reasoning`` and as Anthropic thinking blocks, a tool-call round trip (reasoning and typed arguments sent
+back), and Anthropic ``thinking.budget_tokens`` ending the reasoning section. Expected: greedy ``stream_generate``
+on the same rendered prompt in this process, parsed with ``parse_reply``.
 """
 
 import anthropic
+import httpx2 as httpx
 import openai
 import pytest
 from conftest import K3_FIXTURE
 from serve_helpers import Server
 from xtml_tokenizer import write_xtml_tokenizer_dir
 
-from kimi_mlx.chat.format import render_chat
+from kimi_mlx.chat.format import encode_segments, render_chat
+from kimi_mlx.chat.format_k3 import XTML_MARKERS, close_tag, open_tag
 from kimi_mlx.chat.parser import parse_reply
 from kimi_mlx.generate import stream_generate
 from kimi_mlx.loading import load
@@ -133,3 +135,48 @@ def test_anthropic_thinking_blocks(server, ref):
         with claude.messages.stream(model="k3", max_tokens=N, messages=messages, **extra) as stream:
             final = stream.get_final_message()
         assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
+
+
+def test_deeply_nested_string_arguments_are_a_400(server):
+    """Tool-call arguments sent as a JSON string, which K3's renderer parses: nested 10,000 deep, they are a 400
+    naming ``messages`` (not a RecursionError 500), and the server keeps serving."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "[" * 10000}}
+    body = {"model": "k3", "messages": [*USER, {"role": "assistant", "content": "", "tool_calls": [call]},
+                                        {"role": "tool", "tool_call_id": "c1", "content": "x"}]}
+    r = httpx.post(server.url + "/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert httpx.get(server.base + "/health").status_code == 200
+
+
+def test_anthropic_thinking_budget(server, ref):
+    """``thinking.budget_tokens`` B: the reply reasons for the B greedy tokens, then carries K3's closer
+    (``<|close|>think<|sep|><|open|>response<|sep|>``) and answers with the greedy continuation after it, whole and
+    streamed; the same request with a budget the reply never reaches reasons for more than B tokens."""
+    model, tok = ref
+    budget, answer_tokens = 3, 4
+    prompt = render_chat(tok, USER, thinking=True)
+    reasoning = [r.token for r in stream_generate(model, tok, prompt, budget)]
+    assert not {tok.special_tokens[m] for m in XTML_MARKERS} & set(reasoning)  # the model stays in the section
+    closer = encode_segments(close_tag("think") + open_tag("response"), tok)
+    answer = [r.token for r in stream_generate(model, tok, prompt + reasoning + closer, answer_tokens)]
+    detok = tok.detokenizer
+    for t in reasoning + closer + answer:
+        if t not in tok.eos_token_ids:
+            detok.add_token(t)
+    detok.finalize()
+    want = parse_reply(detok.text, "kimi_k3", thinking=True)
+    assert want.reasoning and want.content  # B tokens of reasoning, then an answer
+
+    claude = anthropic.Anthropic(base_url=server.base, api_key="none", max_retries=0)
+    request = {"model": "k3", "max_tokens": budget + len(closer) + answer_tokens, "messages": USER}
+    msg = claude.messages.create(**request, thinking={"type": "enabled", "budget_tokens": budget})
+    got = ("".join(b.thinking for b in msg.content if b.type == "thinking"),
+           "".join(b.text for b in msg.content if b.type == "text"))
+    assert got == (want.reasoning, want.content)
+    assert msg.usage.output_tokens == len(reasoning + closer + answer)
+    with claude.messages.stream(**request, thinking={"type": "enabled", "budget_tokens": budget}) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
+    unbounded = claude.messages.create(**request, thinking={"type": "enabled", "budget_tokens": 1024})
+    thinking = "".join(b.thinking for b in unbounded.content if b.type == "thinking")
+    assert thinking.startswith(want.reasoning) and len(thinking) > len(want.reasoning)

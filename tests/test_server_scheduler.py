@@ -1,6 +1,6 @@
 """The serving engine (``kimi_mlx.server.scheduler``) on real models: continuous batching gives each request its
 single-request output, seeds are per request, cancellation frees a slot, the prefix cache resumes conversations with
-the logits of a cold prefill.
+the logits of a cold prefill, a reasoning budget gives its closer after the allowed tokens.
 
 References are independent of the engine: ``kimi_mlx.generate.stream_generate`` on one prompt with a fresh cache
 (greedy, or after ``mx.random.seed``), and a fresh engine with the prefix cache off (cold prefill).
@@ -13,7 +13,8 @@ import pytest
 
 from kimi_mlx.generate import stream_generate
 from kimi_mlx.loading import load
-from kimi_mlx.server.scheduler import FinishEvent, GenerationRequest, QueueFullError, SamplingParams, Scheduler
+from kimi_mlx.server.scheduler import (FinishEvent, GenerationRequest, QueueFullError, ReasoningBudget, SamplingParams,
+                                       Scheduler)
 
 N = 10
 
@@ -252,3 +253,22 @@ def test_a_failing_request_ends_alone_and_a_stopped_engine_refuses(demo, engine)
     assert _run(running)[2].reason == "error"
     with pytest.raises(EngineStoppedError):
         e.submit(GenerationRequest(p, N))
+
+
+def test_reasoning_budget(demo, engine):
+    """Three rows in one batch: one reaching its budget of 3 gets the closer ids next, then continues as the model
+    does after them; one whose reasoning ends (a token of ``ends``) within its budget is never given the closer; one
+    without a budget is unchanged."""
+    model, tok = demo
+    p1, p2, p3 = _prompts(512, [7, 12, 5])
+    close = [300, 301, 302]  # the engine deals in ids: any will do
+    reasoning = _reference(model, tok, p1, 3)
+    want1 = reasoning + close + _reference(model, tok, p1 + reasoning + close, N - 6)
+    want2 = _reference(model, tok, p2, N)
+    e = engine(max_batch=3, prompt_cache_bytes=0)
+    s1 = e.submit(GenerationRequest(p1, N, reasoning=ReasoningBudget(3, tuple(close), frozenset())))
+    s2 = e.submit(GenerationRequest(p2, N, reasoning=ReasoningBudget(5, tuple(close), frozenset({want2[1]}))))
+    s3 = e.submit(GenerationRequest(p3, N))
+    assert _run(s1)[0] == want1
+    assert _run(s2)[0] == want2
+    assert _run(s3)[0] == _reference(model, tok, p3, N)

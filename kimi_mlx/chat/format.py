@@ -24,16 +24,23 @@ in history, as K3 requires) and ``tool_calls`` (``[{"id", "function": {"name",
 ``tool_call_id`` (or ``name``/``tool``). :meth:`kimi_mlx.chat.parser.Reply.to_message`
 turns a parsed reply into such an assistant message.
 
-Kimi Linear (spec §3.2, K2-Instruct)::
+Kimi Linear (spec §3.2): what the K2-Instruct-family template renders after the
+checkpoint's ``tokenization_kimi.py`` deep-sorts the tools' keys::
 
-    [<|im_system|>tool_declare<|im_middle|>{tools json}<|im_end|>]
+    [<|im_system|>tool_declare<|im_middle|>{tools json, keys sorted}<|im_end|>]
     [<|im_system|>system<|im_middle|>{default system}<|im_end|>\\n]   # only if messages[0] is not system
-    <|im_system|>system<|im_middle|>...<|im_end|>
-    <|im_user|>user<|im_middle|>...<|im_end|>
-    <|im_assistant|>assistant<|im_middle|>{content}
-        [<|tool_calls_section_begin|>(<|tool_call_begin|>{id}<|tool_call_argument_begin|>{json}<|tool_call_end|>)+<|tool_calls_section_end|>]<|im_end|>
-    <|im_system|>tool<|im_middle|>## Return of {tool_call_id}\\n{content}<|im_end|>
+    <|im_system|>{name or "system"}<|im_middle|>...<|im_end|>
+    <|im_user|>{name or "user"}<|im_middle|>...<|im_end|>
+    <|im_assistant|>{name or "assistant"}<|im_middle|>{content}
+        [<|tool_calls_section_begin|>(<|tool_call_begin|>functions.{fn}:{n}<|tool_call_argument_begin|>{json}<|tool_call_end|>)+<|tool_calls_section_end|>]<|im_end|>
+    <|im_system|>{name or "tool"}<|im_middle|>## Return of functions.{fn}:{n}\\n{content}<|im_end|>
     [<|im_assistant|>assistant<|im_middle|>]                          # add_generation_prompt
+
+The template ignores the ids a conversation carries: the n-th tool call of the
+conversation (from 0) is ``functions.{fn}:{n}``, and each tool result answers
+the oldest call not yet answered, so results must come in call order
+(:mod:`kimi_mlx.chat.tool_ids` puts a client's results back in that order).
+A string ``arguments`` is written verbatim, a dict as JSON.
 
 Kimi-K3 XTML (spec §3.3): see :mod:`kimi_mlx.chat.format_k3`. ``thinking``
 defaults to True (generation prompt ends inside ``<|open|>think<|sep|>``),
@@ -148,42 +155,49 @@ def turn_end_id(tokenizer, chat_format: str | None = None) -> int:
     return tid
 
 
-def _tojson(obj: Any) -> str:
-    # HF's / minja's ``tojson``: ensure_ascii=False, default ", " / ": " separators.
-    return json.dumps(obj, ensure_ascii=False)
+def _tojson(obj: Any, what: str, sort_keys: bool = False) -> str:
+    """transformers' ``tojson`` filter: ``json.dumps`` with ``ensure_ascii=False`` and the default ``", "`` /
+    ``": "`` separators; ``sort_keys`` sorts every dict's keys (``tokenization_kimi.py``'s ``deep_sort_dict``)."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, sort_keys=sort_keys)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what} must be JSON-serialisable with string keys: {e}") from None
+
+
+def _content_parts(content: Any, role: str) -> list[str]:
+    """A message's ``content`` as text pieces: a string is one piece, None none, a list one per text part
+    (``{"type": "text", "text": ...}``; ``type`` may be left out). Image parts and other shapes are refused."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, (list, tuple)):
+        raise TypeError(f"{role} message content must be str, list or None, got {type(content).__name__}")
+    out = []
+    for i, part in enumerate(content):
+        if not isinstance(part, Mapping):
+            raise TypeError(
+                f"{role} message content part {i} must be a dict like {{'type': 'text', 'text': ...}}, "
+                f"got {type(part).__name__}"
+            )
+        if part.get("type") in ("image", "image_url") or "image" in part or "image_url" in part:
+            raise ValueError("kimi-mlx is text-only: image content parts are not supported")
+        if "text" not in part:
+            raise ValueError(f"{role} message content part {i} without 'text': {part!r}")
+        out.append(str(part["text"]))
+    return out
 
 
 def _content_text(content: Any, role: str) -> str:
-    """Text of a message's ``content``: a string, None, or a list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, Mapping):
-        content = [content]
-    if isinstance(content, (list, tuple)):
-        out = []
-        for part in content:
-            if isinstance(part, str):
-                out.append(part)
-                continue
-            if not isinstance(part, Mapping):
-                raise TypeError(f"{role} message content part must be a dict or str, got {type(part).__name__}")
-            ptype = part.get("type")
-            if ptype in ("image", "image_url") or "image" in part or "image_url" in part:
-                raise ValueError("kimi-mlx is text-only: image content parts are not supported")
-            if "text" not in part:
-                raise ValueError(f"{role} message content part without 'text': {part!r}")
-            out.append(str(part["text"]))
-        return "".join(out)
-    raise TypeError(f"{role} message content must be str, list or None, got {type(content).__name__}")
+    """A message's ``content`` as one string (its :func:`_content_parts` joined)."""
+    return "".join(_content_parts(content, role))
 
 
-def _tool_call_fields(call: Mapping[str, Any]) -> tuple[str | None, str, Any]:
+def _tool_call_fields(call: Mapping[str, Any]) -> tuple[str, Any]:
     fn = call.get("function", call)
     if not isinstance(fn, Mapping) or "name" not in fn:
         raise ValueError(f"tool call without a function name: {call!r}")
-    return call.get("id"), str(fn["name"]), fn.get("arguments", {})
+    return str(fn["name"]), fn.get("arguments", {})
 
 
 def _kimi_linear_segments(
@@ -214,11 +228,11 @@ def _kimi_linear_segments(
         sp(IM_SYSTEM)
         tx("tool_declare")
         sp(IM_MIDDLE)
-        tx(_tojson(list(tools)))
+        tx(_tojson(list(tools), "tools", sort_keys=True))
         sp(IM_END)
 
-    pending_ids: list[str] = []
-    counter = 0
+    pending_ids: list[str] = []  # the template's queue: calls not yet answered, oldest first
+    counter = 0  # calls so far in the conversation
     for idx, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
             raise TypeError(f"message {idx} must be a dict, got {type(msg).__name__}")
@@ -234,29 +248,32 @@ def _kimi_linear_segments(
             tx(default_system_suffix)
         starts.append(len(segs))
 
-        role_name = role if role == "tool" else (msg.get("name") or role)
         sp(_ROLE_MARKER.get(role, IM_SYSTEM))
-        tx(str(role_name))
+        tx(str(msg.get("name") or role))
         sp(IM_MIDDLE)
 
         if role == "assistant" and msg.get("tool_calls"):
             tx(_content_text(msg.get("content"), role))
             sp(TOOL_CALLS_BEGIN)
             for call in msg["tool_calls"]:
-                call_id, name, args = _tool_call_fields(call)
-                if call_id is None:
-                    call_id = f"functions.{name}:{counter}"
-                    counter += 1
-                pending_ids.append(str(call_id))
+                name, args = _tool_call_fields(call)
+                call_id = f"functions.{name}:{counter}"
+                counter += 1
+                pending_ids.append(call_id)
                 sp(TOOL_CALL_BEGIN)
-                tx(str(call_id))
+                tx(call_id)
                 sp(TOOL_CALL_ARG_BEGIN)
-                tx(args if isinstance(args, str) else _tojson(args))
+                tx(args if isinstance(args, str) else _tojson(args, f"message {idx}: tool call arguments"))
                 sp(TOOL_CALL_END)
             sp(TOOL_CALLS_END)
         elif role == "tool":
-            queued = pending_ids.pop(0) if pending_ids else None
-            call_id = msg.get("tool_call_id") or queued or f"functions.{msg.get('name', 'unknown')}:{counter}"
+            if pending_ids:
+                call_id = pending_ids.pop(0)
+            else:  # a result no call awaits: the template names it after the message and the next call number
+                name = msg.get("name", "unknown")
+                if not isinstance(name, str):
+                    raise ValueError(f"message {idx}: a tool result's 'name' must be a string, got {name!r}")
+                call_id = f"functions.{name}:{counter}"
             tx(f"## Return of {call_id}\n" + _content_text(msg.get("content"), role))
         else:
             tx(_content_text(msg.get("content"), role))
@@ -288,9 +305,10 @@ def render_kimi_linear_segments(
     ``default_system_suffix`` is the text the K2 template emits after it.
     ``continue_final_message``: leave the last message open (no ``<|im_end|>``)
     so generation continues it; excludes ``add_generation_prompt``.
-    Tool calls without an ``id`` get ``functions.{name}:{n}`` (``n`` counts
-    calls across the conversation from 0); a tool result uses its
-    ``tool_call_id``, else the next unanswered call id.
+    Tool calls are written ``functions.{name}:{n}`` (``n`` counts calls across
+    the conversation from 0) whatever their ``id``; a tool result answers the
+    oldest call not yet answered, whatever its ``tool_call_id`` (see the module
+    docstring).
     """
     segs, _ = _kimi_linear_segments(
         messages, add_generation_prompt, tools, default_system, default_system_suffix, continue_final_message
@@ -306,32 +324,26 @@ def segments_to_text(segments: Iterable[Segment]) -> str:
 
 def encode_segments(segments: Iterable[Segment], tokenizer) -> list[int]:
     """Token ids of rendered segments: special segments -> their control id,
-    text segments (adjacent ones merged, as in the rendered string) -> plain
-    BPE. ``tokenizer`` is a :class:`kimi_mlx.tokenizer.KimiTikTokenizer` or an
-    mlx-lm ``TokenizerWrapper`` around one. Raises ``ValueError`` naming the
-    token when the vocabulary lacks a needed special token."""
+    each text segment -> its own plain BPE (never merged with its neighbours:
+    Kimi Linear's renderer writes one text segment between markers, as the
+    template's string is split at them; K3's are Moonshot's encoder segments,
+    which it encodes one by one). ``tokenizer`` is a
+    :class:`kimi_mlx.tokenizer.KimiTikTokenizer` or an mlx-lm
+    ``TokenizerWrapper`` around one. Raises ``ValueError`` naming the token
+    when the vocabulary lacks a needed special token."""
     specials = tokenizer.special_tokens
     ids: list[int] = []
-    buf: list[str] = []
-
-    def flush():
-        if buf:
-            ids.extend(tokenizer.encode_ordinary("".join(buf)))
-            buf.clear()
-
     for is_special, text in segments:
-        if is_special:
-            flush()
-            tid = specials.get(text)
-            if tid is None:
-                raise ValueError(
-                    f"the chat format needs the special token {text!r}, which is not in this tokenizer's "
-                    f"vocabulary (wrong tokenizer for this chat format?)"
-                )
-            ids.append(tid)
-        else:
-            buf.append(text)
-    flush()
+        if not is_special:
+            ids.extend(tokenizer.encode_ordinary(text))
+            continue
+        tid = specials.get(text)
+        if tid is None:
+            raise ValueError(
+                f"the chat format needs the special token {text!r}, which is not in this tokenizer's "
+                f"vocabulary (wrong tokenizer for this chat format?)"
+            )
+        ids.append(tid)
     return ids
 
 
@@ -433,7 +445,7 @@ def segments_and_starts(
             raise ValueError("continue_final_message needs at least one message")
         segs, starts = render_k3_segments(
             messages,
-            content_text=_content_text,
+            content_parts=_content_parts,
             tools=tools,
             thinking=True if thinking is None else bool(thinking),
             thinking_effort=DEFAULT_THINKING_EFFORT if thinking_effort is None else thinking_effort,

@@ -23,6 +23,15 @@ declaration. A run of tool results that all name their call by ``tool_call_id``
 is emitted in the order of the assistant's calls; ``index`` counts the results
 after each assistant message from 1.
 
+Where the Jinja port and Moonshot's encoder (``encoding_k3.py``) disagree, the
+encoder is followed: tool-call ``arguments`` given as a JSON object string are
+parsed and written as typed ``argument`` tags (:func:`normalize_tool_arguments`;
+only a string that is not JSON becomes a ``json`` block), and keys sort
+case-sensitively. The segments are the encoder's: each attribute is the text
+pieces `` key``, ``="``, value, ``"``, each content part its own piece, and
+:func:`kimi_mlx.chat.format.encode_segments` encodes every text piece on its
+own, as the encoder's segments are encoded.
+
 :func:`render_k3_segments` returns ``(segments, starts)``; :mod:`kimi_mlx.chat.format`
 turns them into ids and implements the public API.
 """
@@ -80,9 +89,15 @@ def unescape_attr(value: str) -> str:
 
 
 def open_tag(tag: str, attrs: Sequence[tuple[str, Any]] = ()) -> list[Segment]:
-    """``<|open|>tag k="v"...<|sep|>`` as segments (the markers special, the rest text)."""
-    body = tag + "".join(f' {k}="{escape_attr(v)}"' for k, v in attrs)
-    return [(True, OPEN), (False, body), (True, SEP)]
+    """``<|open|>tag k="v"...<|sep|>`` as segments: the markers special, then the text pieces ``tag`` and, per
+    attribute, `` k``, ``="``, the escaped value (left out when empty) and ``"``."""
+    segs: list[Segment] = [(True, OPEN), (False, tag)]
+    for key, value in attrs:
+        segs += [(False, f" {key}"), (False, '="')]
+        if escaped := escape_attr(value):
+            segs.append((False, escaped))
+        segs.append((False, '"'))
+    return segs + [(True, SEP)]
 
 
 def close_tag(tag: str) -> list[Segment]:
@@ -96,6 +111,30 @@ def sorted_compact_json(value: Any, what: str) -> str:
         return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{what} must be JSON-serialisable with string keys: {e}") from None
+
+
+def normalize_tool_arguments(arguments: Any, where: str) -> tuple[Mapping[str, Any], str | None]:
+    """``(arguments, json_block)`` as Moonshot's encoder writes a tool call's ``arguments``: a dict as is; None or a
+    blank string -> no arguments; a JSON object string -> its object (typed ``argument`` tags); a string that is not
+    JSON -> a ``json`` block holding it verbatim. A JSON string of anything but an object, or another type, is a
+    ``ValueError`` naming ``where``."""
+    if arguments is None:
+        return {}, None
+    if isinstance(arguments, Mapping):
+        return arguments, None
+    if isinstance(arguments, str):
+        if not arguments.strip():
+            return {}, None
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            return {}, arguments
+        if not isinstance(parsed, dict):
+            raise ValueError(f"{where}: tool call arguments must be a JSON object, got JSON {type(parsed).__name__}")
+        return parsed, None
+    raise ValueError(
+        f"{where}: tool call arguments must be a dict or a JSON object string, got {type(arguments).__name__}"
+    )
 
 
 def xtml_type(value: Any) -> str:
@@ -160,27 +199,25 @@ def _tool_calls_block(tool_calls: Sequence[Any], where: str) -> list[Segment]:
     for i, call in enumerate(tool_calls, start=1):
         fn = _call_function(call, where)
         segs += open_tag("call", [("tool", fn["name"]), ("index", i)])
-        arguments = fn.get("arguments", {})
-        json_block = fn.get("_xtml_json_block")
+        arguments, json_block = normalize_tool_arguments(fn.get("arguments"), f"{where}, tool call {i}")
         if json_block is not None:
-            segs += [*open_tag("json", [("type", "object")]), (False, str(json_block)), *close_tag("json")]
-        elif isinstance(arguments, Mapping):
-            for key, value in arguments.items():
-                segs += open_tag("argument", [("key", key), ("type", xtml_type(value))])
-                segs.append((False, xtml_value(value)))
-                segs += close_tag("argument")
-        elif isinstance(arguments, str):
-            if arguments.strip():
-                segs += [*open_tag("json", [("type", "object")]), (False, arguments), *close_tag("json")]
-        elif arguments is not None:
-            raise ValueError(
-                f"{where}: tool call arguments must be a dict or a JSON object string, got {type(arguments).__name__}"
-            )
+            segs += [*open_tag("json", [("type", "object")]), (False, json_block), *close_tag("json")]
+        for key, value in arguments.items():
+            segs += open_tag("argument", [("key", key), ("type", xtml_type(value))])
+            segs.append((False, xtml_value(value)))
+            segs += close_tag("argument")
         segs += close_tag("call")
     return segs + close_tag("tools")
 
 
-def _assistant_body(msg: Mapping[str, Any], thinking: bool, content: str, where: str, open_end: bool) -> list[Segment]:
+def _text(parts: Sequence[str]) -> list[Segment]:
+    """Text segments, one per piece (the encoder encodes each content part on its own)."""
+    return [(False, p) for p in parts]
+
+
+def _assistant_body(
+    msg: Mapping[str, Any], thinking: bool, content: Sequence[str], where: str, open_end: bool
+) -> list[Segment]:
     segs: list[Segment] = []
     if thinking:
         reasoning = msg.get("reasoning_content") or msg.get("reasoning")
@@ -189,7 +226,7 @@ def _assistant_body(msg: Mapping[str, Any], thinking: bool, content: str, where:
             segs.append((False, str(reasoning)))
         segs += close_tag("think")
     segs += open_tag("response")
-    segs.append((False, content))
+    segs += _text(content)
     if open_end:
         if msg.get("tool_calls"):
             raise ValueError(f"{where}: continue_final_message cannot leave an assistant message with tool calls open")
@@ -200,10 +237,10 @@ def _assistant_body(msg: Mapping[str, Any], thinking: bool, content: str, where:
     return segs
 
 
-def _tool_message(name: Any, index: int, content: str) -> list[Segment]:
+def _tool_message(name: Any, index: int, content: Sequence[str]) -> list[Segment]:
     return [
         *open_tag("message", [("role", "tool"), ("tool", name), ("index", index)]),
-        (False, content),
+        *_text(content),
         *close_tag("message"),
         (True, END_OF_MSG),
     ]
@@ -212,7 +249,7 @@ def _tool_message(name: Any, index: int, content: str) -> list[Segment]:
 def render_k3_segments(
     messages: Sequence[Mapping[str, Any]],
     *,
-    content_text,
+    content_parts,
     tools: Sequence[Mapping[str, Any]] | None = None,
     thinking: bool = True,
     thinking_effort: str | None = DEFAULT_THINKING_EFFORT,
@@ -226,9 +263,10 @@ def render_k3_segments(
     ``starts[i]`` is the index in ``segments`` where message ``i`` begins
     (``starts[len(messages)]``: where the generation prompt begins); it is
     ``None`` for a tool result that is emitted inside a reordered run (a render
-    cannot start there). ``content_text(content, role)`` flattens a message's
-    content (text parts only). ``thinking_effort=None`` omits the
-    thinking-effort message. ``tool_choice`` (``"auto"``/``"required"``/``"none"``)
+    cannot start there). ``content_parts(content, role)`` gives a message's
+    content as its text pieces (a string: one piece; a list: one per text
+    part). ``thinking_effort=None`` omits the thinking-effort message.
+    ``tool_choice`` (``"auto"``/``"required"``/``"none"``)
     and ``response_format`` (``"json_object"``, ``{"type": "json_schema",
     "json_schema": {"schema": ...}}``, ...) add per-request system messages
     after the conversation, before the generation prompt.
@@ -264,13 +302,13 @@ def render_k3_segments(
                 continue
             attrs = [("role", role)] + ([("name", msg["name"])] if msg.get("name") else [])
             segs += open_tag("message", attrs)
-            content = content_text(msg.get("content"), role)
+            content = content_parts(msg.get("content"), role)
             if role == "assistant":
                 calls = msg.get("tool_calls")
                 tool_calls, tool_index = (calls if calls else None), 0
                 segs += _assistant_body(msg, thinking, content, where, open_end)
             else:
-                segs.append((False, content))
+                segs += _text(content)
             if not open_end:
                 segs += [*close_tag("message"), (True, END_OF_MSG)]
             i += 1
@@ -288,7 +326,7 @@ def render_k3_segments(
                     starts[k] = len(segs)
                 tool_index += 1
                 name = _tool_name(messages[k], resolved, tool_calls, tool_index)
-                content = content_text(messages[k].get("content"), "tool")
+                content = content_parts(messages[k].get("content"), "tool")
                 segs += _tool_message(name, tool_index, content)
             i = j
         else:

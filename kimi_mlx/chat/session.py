@@ -36,9 +36,11 @@ import mlx.core as mx
 
 from .format import detect_chat_format, render_chat
 from .parser import ReplyEvent, ReplyParser
-from mlx_lm.generate import maybe_quantize_kv_cache
+from .tool_ids import answer_order, tool_call_ids
+from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 
 from ..generate import check_kv_settings, check_prompt, stream_generate
+from ..ops.memory import wired_during
 from ..prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
 
 SESSION_KEY = "chat_session"  # prompt-cache file metadata key holding the session as JSON
@@ -208,12 +210,16 @@ class ChatSession:
         return self._turn([{"role": "user", "content": text}], max_tokens)
 
     def tool_results(self, results: Sequence[tuple[dict, str]], max_tokens: Optional[int] = None) -> Iterator[ChatEvent]:
-        """Add ``(call, result text)`` for the last reply's tool calls (``Turn.tool_calls`` entries) and stream the
-        model's next reply."""
+        """Add ``(call, result text)`` for the last reply's tool calls (``Turn.tool_calls`` entries; in any order,
+        they are written in call order, as the chat templates pair results with calls by position) and stream the
+        model's next reply. ``ValueError`` for a call the last reply did not make or one answered twice."""
         messages = [
             {"role": "tool", "tool_call_id": call.get("id"), "name": call["function"]["name"], "content": content}
             for call, content in results
         ]
+        last = max((i for i, m in enumerate(self.messages) if m["role"] == "assistant"), default=None)
+        calls = [c for c in tool_call_ids(self.messages) if c.message == last]
+        messages = [messages[k] for k in answer_order(calls, messages, complete=False)]
         return self._turn(messages, max_tokens)
 
     def regenerate(self, max_tokens: Optional[int] = None) -> Iterator[ChatEvent]:
@@ -302,6 +308,7 @@ class ChatSession:
             budget = min(budget, room)
         return self._generate(prompt, budget, len(new_messages), budget < (max_tokens or self.max_tokens))
 
+    @wired_during(generation_stream)  # on a Mac the model's memory stays wired through the prefill and the reply
     def _generate(self, prompt: list[int], budget: int, n_new: int, capped: bool) -> Iterator[ChatEvent]:
         stats = TurnStats(prompt_tokens=len(prompt))
         tic = time.perf_counter()

@@ -97,8 +97,11 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
 def load_from_args(args: argparse.Namespace, progress: bool = True, group: Optional[mx.distributed.Group] = None):
     """``(model, tokenizer)`` for the model flags; ``progress``: a GGUF shows ``load``'s progress bar, anything else
     an elapsed-time indicator (on a terminal's stderr). ``group``: the ranks of ``--parallel`` (from
-    ``ranks.group_from_args``; by default derived from ``--parallel``); only rank 0 shows progress."""
+    ``ranks.group_from_args``; by default derived from ``--parallel``); only rank 0 shows progress.
+    On a Mac, the command (every rank of it) then keeps its memory wired until it exits (``ops.memory.keep_wired``):
+    the commands that load a model all generate with it."""
     from ..loading import load
+    from ..ops.memory import keep_wired
 
     if group is None and getattr(args, "parallel", None):
         group = ranks.group_from_args(args)
@@ -126,6 +129,7 @@ def load_from_args(args: argparse.Namespace, progress: bool = True, group: Optio
                    progress=progress and gguf, parallel=getattr(args, "parallel", None), group=group,
                    split=getattr(args, "split", None))
         loaded = True
+        keep_wired()
         return out
     finally:
         done.set()

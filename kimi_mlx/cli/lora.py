@@ -258,6 +258,7 @@ def train_and_test(args: argparse.Namespace, group: mx.distributed.Group) -> Non
     """Load the model and data, then train and / or test; every rank of ``group`` runs this."""
     from ..data import DEMO_DATA
     from ..loading import load
+    from ..ops.memory import keep_wired
     from ..tuner.adapters import load_adapters
     from ..tuner.datasets import load_datasets
     from ..tuner.trainer import evaluate
@@ -267,6 +268,7 @@ def train_and_test(args: argparse.Namespace, group: mx.distributed.Group) -> Non
     quantize = None if args.quantize is None else {"bits": args.quantize, "group_size": args.q_group_size}
     print("Loading pretrained model")
     model, tokenizer = load(args.model, dtype=DTYPES.get(args.dtype), quantize=quantize)
+    keep_wired()  # on a Mac, the weights, adapters and optimizer state stay resident while training (as mlx-lm's)
     print("Loading datasets")
     data = DEMO_DATA if args.data == "demo" else args.data
     sets = load_datasets(data, tokenizer, mask_prompt=args.mask_prompt, split=args.split, seed=args.seed)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ..loading import AFFINE_BITS, GROUP_SIZES
+from ..ops.memory import FILL
 from ..parallel.plan import (
     GB,
     JACCL_TB5,
@@ -45,6 +46,12 @@ def add_parser(commands) -> None:
                    "id (only its config.json is downloaded)")
     p.add_argument("--hosts", required=True, metavar="GIB,...",
                    help="memory of each host in GiB (as Apple sizes unified memory), e.g. 512,512,192")
+    p.add_argument("--wired-limit", metavar="GIB,...",
+                   help="GPU working set per host in GiB, one value for all or one per host, 0 for a host's default: "
+                   "for hosts whose limit was raised (sysctl iogpu.wired_limit_mb / 1024) or that report more than "
+                   "the default (macOS 26 does; python -c \"import mlx.core as mx; "
+                   "print(mx.device_info()['max_recommended_working_set_size'] / 2**30)\" on the host) (default: "
+                   "macOS 13-15's: 2/3 of memory up to 32 GiB, 3/4 above)")
     p.add_argument("--bandwidth", metavar="GBPS,...", help="memory bandwidth per host in GB/s, one value for all or "
                    f"one per host (default: {ULTRA_BANDWIDTH_GBS} for hosts of {ULTRA_MIN_GIB} GiB or more, the "
                    "Ultra chips; otherwise unknown and decode is not predicted)")
@@ -63,10 +70,11 @@ def add_parser(commands) -> None:
     p.add_argument("--kv-group-size", type=int, choices=GROUP_SIZES, default=64,
                    help="quantization group of the latent cache (with --kv-bits)")
     p.add_argument("--reserve", type=float, default=8.0, metavar="GIB",
-                   help="memory per host kept for macOS and activations, in GiB (default 8)")
+                   help="memory per host kept for macOS and activations, in GiB (default 8): the most a host's GPU "
+                   "can be given is memory - reserve")
     p.add_argument("--parallel", choices=("pipeline", "tensor"), default="pipeline")
     p.add_argument("--split", default=None, help="pipeline: 'even' or layer counts per rank such as '20,7' "
-                   "(default: proportional to memory - reserve)")
+                   "(default: proportional to each host's GPU working set, as load splits)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="float weights (default: as stored; a GGUF's float tensors load as float32)")
     p.add_argument("--quantize", type=int, default=None, metavar="BITS",
@@ -85,14 +93,14 @@ def add_parser(commands) -> None:
     p.set_defaults(run=run)
 
 
-def _numbers(flag: str, text: str, n: int | None = None) -> list[float]:
-    """Comma-separated positive numbers; with ``n``, one value (for every host) or exactly ``n``."""
+def _numbers(flag: str, text: str, n: int | None = None, zero: bool = False) -> list[float]:
+    """Comma-separated positive numbers (``zero``: or 0); with ``n``, one value (for every host) or exactly ``n``."""
     try:
         values = [float(x) for x in text.split(",")]
     except ValueError:
         raise ValueError(f"{flag} {text!r}: expected comma-separated numbers such as '512,192'") from None
-    if any(not v > 0 for v in values):
-        raise ValueError(f"{flag} {text!r}: expected positive numbers")
+    if any(not (v > 0 or zero and v == 0) for v in values):
+        raise ValueError(f"{flag} {text!r}: expected positive numbers" + (" (or 0)" if zero else ""))
     if n is not None and len(values) not in (1, n):
         raise ValueError(f"{flag} {text!r}: {len(values)} values for {n} hosts; expected one, or one per host")
     return values * n if n is not None and len(values) == 1 else values
@@ -103,7 +111,8 @@ def hosts_from_args(args: argparse.Namespace) -> list[Host]:
     n = len(memory)
     bandwidth = _numbers("--bandwidth", args.bandwidth, n) if args.bandwidth else [default_bandwidth(m) for m in memory]
     tflops = _numbers("--tflops", args.tflops, n) if args.tflops else [None] * n
-    return [Host(m, b, t) for m, b, t in zip(memory, bandwidth, tflops)]
+    wired = _numbers("--wired-limit", args.wired_limit, n, zero=True) if args.wired_limit else [0] * n
+    return [Host(m, b, t, w or None) for m, b, t, w in zip(memory, bandwidth, tflops, wired)]
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -223,10 +232,10 @@ def _table(plan: Plan, unit: tuple[float, str]) -> list[str]:
         fields = ("kda_heads", "mla_heads", "experts", "ffn", "shared")
         split_head = ["KDA heads", "MLA heads", "experts", "MLP cols", "shared cols"]
         splits = [[_span(getattr(r.share, f)) for f in fields] for r in plan.ranks]
-    head = ["rank", "memory", "bandwidth"] + split_head + ["weights", "cache", "needs", "usable", "free"]
+    head = ["rank", "memory", "bandwidth"] + split_head + ["weights", "cache", "needs", "GPU set", "usable", "free"]
     rows = [[str(r.rank), f"{r.host.memory_gib:g} GiB",
              f"{r.host.bandwidth_gbs:g} GB/s" if r.host.bandwidth_gbs else "?"] + s
-            + [f"{b / size:,.2f}" for b in (r.weights, r.cache, r.need, r.usable, r.free)]
+            + [f"{b / size:,.2f}" for b in (r.weights, r.cache, r.need, r.host.working_set, r.usable, r.free)]
             for r, s in zip(plan.ranks, splits)]
     widths = [max(len(row[i]) for row in [head] + rows) for i in range(len(head))]
     left = range(3, 3 + len(split_head))  # split columns read left to right; numbers align right
@@ -238,15 +247,46 @@ def _table(plan: Plan, unit: tuple[float, str]) -> list[str]:
     title = (f"{plan.mode} over {len(plan.ranks)} host(s), context {plan.context:,} tokens ({kv} latent cache), "
              f"{plan.reserve_gib:g} GiB "
              f"reserved per host; sizes in {name} (1{'e9' if name == 'GB' else 'e6'} bytes), host memory in GiB "
-             f"(2^30 bytes)")
+             f"(2^30 bytes); GPU set: the host's GPU working set (what macOS lets the GPU wire), usable: memory - "
+             f"reserve")
     return [title, line(head)] + [line(row) for row in rows]
 
 
 def _verdict(plan: Plan, unit: tuple[float, str]) -> list[str]:
-    if plan.fits:
-        least = min(plan.ranks, key=lambda r: r.free)
-        return [f"fits: every rank has room (least free: rank {least.rank}, {least.free / unit[0]:,.2f} {unit[1]})"]
-    return ["DOES NOT FIT:"] + [f"  {line}" for line in plan.shortfall()]
+    if not plan.fits:
+        return ["DOES NOT FIT:"] + [f"  {line}" for line in plan.shortfall()]
+    least = min(plan.ranks, key=lambda r: r.free)
+    room = f"fits: every rank has room (least free: rank {least.rank}, {least.free / unit[0]:,.2f} {unit[1]})"
+    if all(r.wired_ok for r in plan.ranks):
+        fullest = max(plan.ranks, key=lambda r: r.need / r.host.working_set)
+        return [f"{room}, within each host's GPU working set (fullest: rank {fullest.rank}, "
+                f"{fullest.need / fullest.host.working_set:.0%} of it)"]
+    lines = _raise_lines(plan, plan.wired_limits())
+    return [f"{room} once the GPU wired limit is raised:"] + [f"  {line}" for line in lines]
+
+
+def _raise_lines(plan: Plan, limits: dict[int, int]) -> list[str]:
+    """What is short of the GPU working set, and the ``sysctl`` per host that fixes it."""
+    short = ", ".join(f"rank {r.rank} {r.need / r.host.working_set:.0%}" for r in plan.ranks if not r.wired_ok)
+    lines = [f"a host's GPU keeps only its working set wired (GPU set: macOS's default unless --wired-limit); a "
+             f"rank's needs should take at most {FILL:.0%} of it, the rest being for activations (past it, memory "
+             f"is paged in and out between tokens): {short}"]
+    by_value: dict[int, list[int]] = {}
+    for rank, mib in limits.items():
+        by_value.setdefault(mib, []).append(rank)
+    for mib, ranks in sorted(by_value.items()):
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        lines.append(f"on the host of {who}: sudo sysctl iogpu.wired_limit_mb={mib} ({mib / 1024:,.1f} GiB; until "
+                     "reboot)")
+    if plan.split_by_working_set and len(limits) > 1:
+        lines.append("(every host raised by the same factor, so load's split by working set stays the planned one)")
+    tight = plan.tight(limits)
+    if tight:
+        lines.append(f"TIGHT: rank(s) {tight} still take more than {FILL:.0%} at the most memory - reserve allows: "
+                     "little room for activations (quantize, or use more or larger hosts)")
+    lines.append("a host that already has that much (a raised limit, or macOS 26's larger default) needs nothing: "
+                 "give its working set with --wired-limit")
+    return lines
 
 
 def _speeds(plan: Plan) -> list[str]:

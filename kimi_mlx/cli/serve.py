@@ -14,6 +14,7 @@ import argparse
 import ipaddress
 import logging
 import re
+import signal
 import sys
 
 from . import ranks
@@ -54,6 +55,9 @@ def add_parser(commands) -> None:
     p.add_argument("--prompt-cache-bytes", type=byte_size, default=None, metavar="B",
                    help="memory for the cross-request prefix cache, e.g. 8G (0 disables it; default: a quarter "
                         "of what the device can hold beyond the memory in use after loading)")
+    p.add_argument("--cache-limit", type=byte_size, default=None, metavar="B",
+                   help="most memory MLX keeps in freed buffers for reuse (mx.set_cache_limit), e.g. 2G; 0 keeps "
+                        "none (default: an eighth of the GPU's working set, at most 2 GiB)")
     p.add_argument("--checkpoint-interval", type=int, default=4096, metavar="N",
                    help="also snapshot a long prompt every N tokens (0: only at message boundaries)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
@@ -91,11 +95,12 @@ def _backend_parts(args: argparse.Namespace, group):
     import mlx.core as mx
 
     from ..chat.format import detect_chat_format
-    from ..parallel.pipeline import usable_memory
+    from ..ops.memory import default_cache_limit, usable_memory
     from ..server.scheduler import Scheduler
 
     seed = args.seed
-    model, tokenizer = load_from_args(args, progress=False, group=group)
+    model, tokenizer = load_from_args(args, progress=False, group=group)  # wires the model's memory on a Mac
+    mx.set_cache_limit(default_cache_limit() if args.cache_limit is None else args.cache_limit)
     sampling = sampling_from_args(args)
     if seed is not None:
         sampling["seed"] = seed
@@ -171,6 +176,9 @@ def _serve(args: argparse.Namespace, group) -> int:
     log.info(f"kimi-mlx serve: loading {args.model}; {url} answers /health with 503 until it is ready")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=5))
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it to the handler it found: with the default one the
+    # process would die there, before the exit path below
+    signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "should_exit", True))
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
@@ -179,6 +187,7 @@ def _serve(args: argparse.Namespace, group) -> int:
     # kernel ran only on other threads (the load and engine threads here); one synchronize on the main thread
     # first avoids it.
     mx.synchronize()
+    log.info("kimi-mlx serve: stopped")
     if failed:
         print(f"kimi-mlx: error: {failed[0]}", file=sys.stderr)
         return 2

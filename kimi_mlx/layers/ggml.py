@@ -19,7 +19,8 @@ from mlx_lm.models.switch_layers import SwitchLinear
 
 from ..ops.ggml import dequantize, get_format, ggml_gather_matmul, ggml_matmul, row_bytes
 
-__all__ = ["GGMLEmbedding", "GGMLLinear", "GGMLSwitchLinear", "GGML_LAYERS", "ggml_type_of", "holds_ggml", "to_ggml"]
+__all__ = ["GGMLEmbedding", "GGMLLinear", "GGMLSwitchLinear", "GGML_LAYERS", "ggml_type_of", "holds_ggml",
+           "set_float_dtype", "to_ggml"]
 
 
 class _GGMLBlocks(nn.Module):
@@ -73,13 +74,16 @@ class GGMLSwitchLinear(_GGMLBlocks):
 
 
 class GGMLEmbedding(_GGMLBlocks):
-    """``nn.Embedding`` over GGML blocks: ids [...] -> [..., dims] float32 (only the looked-up rows are decoded)."""
+    """``nn.Embedding`` over GGML blocks: ids [...] -> [..., dims] in ``dtype``, the model's float dtype (``load``
+    sets it with ``set_float_dtype``: a bfloat16 model's residual stream starts in bfloat16). Only the looked-up rows
+    are decoded (exactly, in float32, then rounded to ``dtype``)."""
 
-    def __init__(self, num_embeddings: int, dims: int, ggml_type: str):
+    def __init__(self, num_embeddings: int, dims: int, ggml_type: str, dtype: mx.Dtype = mx.float32):
         super().__init__((), dims, num_embeddings, ggml_type, False)
+        self.dtype = dtype
 
     def __call__(self, ids: mx.array) -> mx.array:
-        return dequantize(self["weight"][ids], self.ggml_type)
+        return dequantize(self["weight"][ids], self.ggml_type).astype(self.dtype)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return ggml_matmul(x, self["weight"], self.ggml_type)
@@ -113,6 +117,14 @@ def _twin(module: nn.Module, ggml_type: str, path: str) -> nn.Module:
         return GGMLEmbedding(module.weight.shape[0], in_dims, ggml_type)
     raise TypeError(f"{path}: a {type(module).__name__} cannot hold GGML blocks (expected nn.Linear, SwitchLinear or "
                     "nn.Embedding)")
+
+
+def set_float_dtype(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Make ``model``'s GGML-block embeddings return ``dtype`` (the model's float dtype; ``nn.Module.set_dtype``
+    casts parameters only, and their blocks are uint8)."""
+    for _, module in model.named_modules():
+        if isinstance(module, GGMLEmbedding):
+            module.dtype = dtype
 
 
 def to_ggml(model: nn.Module, types: dict[str, str]) -> nn.Module:

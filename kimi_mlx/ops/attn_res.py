@@ -101,8 +101,10 @@ def attn_res_mix_metal(
     """One launch of ``metal_kernels/attn_res_mix.metal``; same arguments and result as ``attn_res_mix``.
 
     ``kernel`` defaults to ``kimi_mlx.metal.kernel("attn_res_mix")`` (an error if kernels are not enabled).
-    ``threads``: threads per row, a multiple of 32 (default: 32 per 256 elements of d, at most 256);
-    ``rows_per_group``: rows per threadgroup (the grid is ``(threads, B*T, 1)``).
+    ``threads``: threads per row, a multiple of 32 (default: 32 per 256 elements of d, at most 256), capped at d
+    rounded up to 32; ``rows_per_group``: rows per threadgroup, capped at B*T (the grid is ``(threads, B*T, 1)``).
+    A threadgroup of more than ``kimi_mlx.metal.MAX_THREADS_PER_THREADGROUP`` threads (512) or more than 32 KB of
+    reduction buffer (``threadgroup_bytes``) is a ValueError.
     """
     _check_mix(blocks, block_inv_rms, partial, w_eff)
     if not len(blocks):
@@ -115,24 +117,34 @@ def attn_res_mix_metal(
         raise ValueError(f"attn_res_mix_metal: partial has dtype {partial.dtype}, expected float32/float16/bfloat16")
     d = partial.shape[-1]
     threads = min(256, 32 * -(-d // 256)) if threads is None else threads
-    if threads % 32 or not 32 <= threads * rows_per_group <= 1024:
-        raise ValueError(
-            f"attn_res_mix_metal: threads must be a multiple of 32 and threads * rows_per_group <= 1024, got "
-            f"threads={threads}, rows_per_group={rows_per_group}"
-        )
+    setting = f"threads={threads}, rows_per_group={rows_per_group}"
+    if threads < 32 or threads % 32 or rows_per_group < 1:
+        raise ValueError(f"attn_res_mix_metal: threads must be a positive multiple of 32 and rows_per_group >= 1, got "
+                         f"{setting}")  # fmt: skip
     raw = _as_stacked(blocks).astype(partial.dtype)
     K = raw.shape[0]
     N = partial.size // d
+    # No more threads than elements of a row, nor rows than there are (more would only idle: MLX checks the
+    # uncapped threadgroup).
+    threads, rows = min(threads, 32 * -(-d // 32)), max(1, min(rows_per_group, N))
+    hint = f"the reduction buffer takes 4 * rows_per_group * (K + 2) * threads / 32 bytes, K={K}"
+    metal.check_threadgroup("attn_res_mix", setting, threads * rows, threadgroup_bytes(K, threads, rows), hint)
     rms = _as_stacked(block_inv_rms).astype(mx.float32).reshape(K, N)
     (out,) = kernel(
         inputs=[raw.reshape(K, N, d), rms, partial.reshape(N, d), w_eff.astype(mx.float32), float(eps)],
-        template=[("InT", partial.dtype), ("K", K), ("D", d), ("THREADS", threads), ("ROWS", rows_per_group)],
+        template=[("InT", partial.dtype), ("K", K), ("D", d), ("THREADS", threads), ("ROWS", rows)],
         grid=(threads, N, 1),
-        threadgroup=(threads, rows_per_group, 1),
+        threadgroup=(threads, rows, 1),
         output_shapes=[(N, d)],
         output_dtypes=[partial.dtype],
     )
     return out.reshape(partial.shape)
+
+
+def threadgroup_bytes(K: int, threads: int, rows: int) -> int:
+    """Threadgroup memory of ``attn_res_mix.metal`` for K snapshots, ``threads`` per row and ``rows`` per
+    threadgroup: the reduction buffer float red[rows][K + 2][threads / 32]."""
+    return 4 * rows * (K + 2) * (threads // 32)
 
 
 def attn_res_mix_scored(

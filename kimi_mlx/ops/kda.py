@@ -509,14 +509,19 @@ def kda_recurrent_metal(
     """One launch of ``metal_kernels/kda_recurrent.metal``; same arguments and result as ``kda_gated``.
 
     ``kernel`` defaults to ``kimi_mlx.metal.kernel("kda_recurrent")`` (an error if kernels are not enabled).
-    ``rows_per_group``: state rows (SIMD-groups) per threadgroup; the grid is ``(32, Dv, B*H)``.
-    Dk and Dv must be multiples of 32.
+    ``rows_per_group``: state rows (SIMD-groups) per threadgroup; the grid is ``(32, Dv, B*H)``; more than
+    ``kimi_mlx.metal.MAX_THREADS_PER_THREADGROUP / 32`` (16) is a ValueError. Dk and Dv must be multiples of 32.
     """
     _check_gated(q, k, v, f, b, A_log, dt_bias, state, mask)
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     if Dk % 32 or Dv % 32:
         raise ValueError(f"kda_recurrent Metal kernel: Dk and Dv must be multiples of 32, got Dk={Dk}, Dv={Dv}")
+    if rows_per_group < 1:
+        raise ValueError(f"kda_recurrent Metal kernel: rows_per_group must be >= 1, got {rows_per_group}")
+    most = metal.MAX_THREADS_PER_THREADGROUP // 32  # 16: fewer than the Dv rows of any grid, nothing to cap
+    metal.check_threadgroup("kda_recurrent", f"rows_per_group={rows_per_group}", 32 * rows_per_group,
+                            hint=f"at most {most} rows")  # fmt: skip
     for name, x in (("q", q), ("k", k), ("v", v), ("f", f), ("b", b)):
         if x.dtype not in _KERNEL_DTYPES:
             raise ValueError(

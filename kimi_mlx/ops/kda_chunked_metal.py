@@ -38,8 +38,9 @@ metal.register(SCAN_KERNEL)
 _IO_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
-def _check(q: mx.array, k: mx.array, v: mx.array, chunk_size: int, simdgroups: int) -> None:
-    """Errors the kernel cannot handle, raised before any work (shapes themselves are checked by ``_prepare``)."""
+def _check(q: mx.array, k: mx.array, v: mx.array, chunk_size: int, simdgroups: int) -> int:
+    """Errors the kernels cannot handle, raised before any work (shapes themselves are checked by ``_prepare``);
+    returns the scan's SIMD-groups per threadgroup, capped at the Dv / 8 tiles there are."""
     Dk, Dv = q.shape[-1], v.shape[-1]
     if Dk % 32 or Dv % 32 or Dk == 0 or Dv == 0:
         raise ValueError(
@@ -49,10 +50,14 @@ def _check(q: mx.array, k: mx.array, v: mx.array, chunk_size: int, simdgroups: i
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype not in _IO_DTYPES:
             raise ValueError(f"kda_chunked_metal: {name} dtype {x.dtype} not supported (float32, float16 or bfloat16)")
-    if chunk_size not in (8, 16, 32):
+    if chunk_size not in (8, 16, 32):  # the prep kernel's 3 C^2 floats of threadgroup memory: 12 KB at C = 32
         raise ValueError(f"kda_chunked_metal: chunk_size must be 8, 16 or 32, got {chunk_size}")
-    if not 1 <= simdgroups <= 32:
-        raise ValueError(f"kda_chunked_metal: simdgroups (per threadgroup) must be in [1, 32], got {simdgroups}")
+    if simdgroups < 1:
+        raise ValueError(f"kda_chunked_metal: simdgroups (per threadgroup) must be >= 1, got {simdgroups}")
+    sg = min(simdgroups, Dv // 8)  # more would only be idle threads (MLX checks the uncapped threadgroup)
+    most = metal.MAX_THREADS_PER_THREADGROUP // 32
+    metal.check_threadgroup(SCAN_KERNEL, f"simdgroups={simdgroups}", 32 * sg, hint=f"at most {most} SIMD-groups")
+    return sg
 
 
 def kda_chunked_metal(
@@ -72,13 +77,14 @@ def kda_chunked_metal(
     Args:
         q, k, g, v, beta, state, mask: as ``kda_chunked`` (Dk and Dv multiples of 32).
         chunk_size: tokens per chunk, 8, 16 or 32; T need not be a multiple.
-        simdgroups: SIMD-groups per threadgroup, each one 8-column tile of Dv; need not divide Dv / 8.
+        simdgroups: SIMD-groups per threadgroup of the scan, each one 8-column tile of Dv; need not divide Dv / 8;
+            more than Dv / 8 are capped to it; more than ``MAX_THREADS_PER_THREADGROUP / 32`` (16) is a ValueError.
 
     Returns:
         ``(o [B, T, H, Dv] in v.dtype, final state [B, H, Dv, Dk] float32)``.
     """
     C = int(chunk_size)
-    _check(q, k, v, C, simdgroups)
+    simdgroups = _check(q, k, v, C, simdgroups)
     prep, scan = metal.kernel(PREP_KERNEL), metal.kernel(SCAN_KERNEL)
     if scan is None:
         return _kda.kda_chunked(q, k, v, g, beta, state=state, mask=mask, chunk_size=C)

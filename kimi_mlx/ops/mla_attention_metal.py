@@ -30,8 +30,8 @@ import mlx.core as mx
 from .. import metal
 from . import mla_attention as _pure
 
-__all__ = ["DECODE_KERNEL", "PREFILL_KERNEL", "mla_attention_metal", "mla_latent_attention_metal",
-           "mla_latent_attention_segments"]
+__all__ = ["DECODE_KERNEL", "PREFILL_KERNEL", "decode_threadgroup_bytes", "mla_attention_metal",
+           "mla_latent_attention_metal", "mla_latent_attention_segments"]  # fmt: skip
 
 DECODE_KERNEL = "mla_decode"  # one query per (sequence, head), keys split across SIMD-groups
 PREFILL_KERNEL = "mla_prefill"  # T queries, one SIMD-group per query row
@@ -39,6 +39,28 @@ metal.register(DECODE_KERNEL)
 metal.register(PREFILL_KERNEL)
 
 _IO_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+DEFAULT_SIMDGROUPS = 8
+
+
+def decode_threadgroup_bytes(simdgroups: int, r: int) -> int:
+    """Threadgroup memory of ``mla_decode`` with ``simdgroups`` SIMD-groups at latent rank r: float sg_max[NSG],
+    sg_sum[NSG], sg_out[NSG * r]."""
+    return 4 * simdgroups * (r + 2)
+
+
+def _simdgroups(simdgroups: Optional[int], r: int, decode: bool, name: str) -> int:
+    """The launch's SIMD-groups per threadgroup: ``simdgroups``, by default DEFAULT_SIMDGROUPS or as many as fit;
+    ValueError (``metal.check_threadgroup``) past the thread limit or, for ``mla_decode``, 32 KB of merge buffers."""
+    most = metal.MAX_THREADS_PER_THREADGROUP // 32
+    if decode:
+        most = min(most, metal.MAX_THREADGROUP_MEMORY // decode_threadgroup_bytes(1, r))
+    simdgroups = max(1, min(DEFAULT_SIMDGROUPS, most)) if simdgroups is None else simdgroups
+    if simdgroups < 1:
+        raise ValueError(f"mla_latent_attention_metal: simdgroups must be >= 1, got {simdgroups}")
+    memory = decode_threadgroup_bytes(simdgroups, r) if decode else 0
+    hint = f"at most {most} SIMD-groups" + (f" at kv_lora_rank {r}" if decode else "")
+    metal.check_threadgroup(name, f"simdgroups={simdgroups}", 32 * simdgroups, memory, hint)
+    return simdgroups
 
 
 def _identity(x: mx.array, transpose: bool = True) -> mx.array:
@@ -60,14 +82,15 @@ def mla_latent_attention_metal(
     mask: _pure.Mask = None,
     *,
     decode: Optional[bool] = None,
-    simdgroups: int = 8,
+    simdgroups: Optional[int] = None,
     with_lse: bool = False,
 ):
     """One kernel launch: latent attention output ``[B, H, T, r]`` in q_lat's dtype for scaled queries q_lat
     ``[B, H, T, r]`` and q_rot ``[B, H, T, dr]``. ``decode`` picks ``mla_decode`` (needs T = 1; default when T = 1)
-    or ``mla_prefill``; ``simdgroups`` per threadgroup (1..32). Kernels must be enabled (``kimi_mlx.metal``).
-    ``with_lse``: also each row's log-sum-exp of its visible scores ``[B, H, T]`` float32 (-inf for a row that sees
-    no key; its output is then undefined)."""
+    or ``mla_prefill``; ``simdgroups`` per threadgroup: at most ``MAX_THREADS_PER_THREADGROUP / 32`` (16), and for
+    the decode kernel at most ``MAX_THREADGROUP_MEMORY / decode_threadgroup_bytes(1, r)`` (15 at r = 512); default 8
+    (fewer where r > 1022). Kernels must be enabled (``kimi_mlx.metal``). ``with_lse``: also each row's log-sum-exp
+    of its visible scores ``[B, H, T]`` float32 (-inf for a row that sees no key; its output is then undefined)."""
     B, H, T, r = q_lat.shape
     S, dr = kv_latent.shape[2], k_pe.shape[-1]
     if q_rot.shape != (B, H, T, dr) or kv_latent.shape != (B, 1, S, r) or k_pe.shape != (B, 1, S, dr):
@@ -78,12 +101,11 @@ def mla_latent_attention_metal(
     for name, x in (("q_lat", q_lat), ("q_rot", q_rot), ("kv_latent", kv_latent), ("k_pe", k_pe)):
         if x.dtype not in _IO_DTYPES:
             raise ValueError(f"mla_latent_attention_metal: {name} dtype {x.dtype} not supported (float32/16, bfloat16)")
-    if not 1 <= simdgroups <= 32:
-        raise ValueError(f"mla_latent_attention_metal: simdgroups must be in [1, 32], got {simdgroups}")
     decode = T == 1 if decode is None else decode
     if decode and T != 1:
         raise ValueError(f"mla_latent_attention_metal: the decode kernel takes one query per row, got T={T}")
     name = DECODE_KERNEL if decode else PREFILL_KERNEL
+    simdgroups = _simdgroups(simdgroups, r, decode, name)
     kernel = metal.kernel(name)
     if kernel is None:
         raise RuntimeError("mla_latent_attention_metal: Metal kernels are not enabled (see kimi_mlx.metal.enabled)")
@@ -121,7 +143,7 @@ def mla_latent_attention_segments(
     k_pe: _pure.Keys,
     mask: _pure.Mask = None,
     *,
-    simdgroups: int = 8,
+    simdgroups: Optional[int] = None,
 ) -> mx.array:
     """``mla_latent_attention_metal`` over keys given as one part or as lists of segments ``[B, 1, S_i, ·]`` (a
     paged cache's pages): one launch per segment, with float32 outputs merged by the rows' log-sum-exps (a segment
@@ -159,10 +181,11 @@ def mla_attention_metal(
     scale: float,
     mask: _pure.Mask = None,
     *,
-    simdgroups: int = 8,
+    simdgroups: Optional[int] = None,
 ) -> mx.array:
     """``mla_attention`` (same arguments and result ``[B, H, T, dv]``) through the kernels: ``mla_decode`` for one
-    query, ``mla_prefill`` otherwise, one launch per key segment; gradients are the pure path's."""
+    query, ``mla_prefill`` otherwise, one launch per key segment (``simdgroups`` as ``mla_latent_attention_metal``);
+    gradients are the pure path's."""
     q_lat = embed_q(q_nope) * scale
     q_rot = (q_pe * scale).astype(q_lat.dtype)
     segments, pes = _pure.segments(kv_latent), _pure.segments(k_pe)

@@ -24,7 +24,6 @@ rank only. A stage numbers its layers from 0 (``model.layers.0`` is global layer
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -37,19 +36,12 @@ from ..cache import KDACache
 from ..models.kimi_k3 import K3TextModel, Snapshots
 from ..models.kimi_linear import KimiLinearModel, Model, layer_masks
 from ..ops.attn_res import inv_rms
+from ..ops.memory import usable_memory
 from . import comm
 from .plan import pipeline_ranges
 
 Split = Union[None, str, Sequence[int]]
 _LAYER = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
-
-
-def usable_memory() -> int:
-    """Bytes this rank can hold: Metal's recommended working set, elsewhere the physical RAM."""
-    info = mx.device_info()
-    if "max_recommended_working_set_size" in info:
-        return int(info["max_recommended_working_set_size"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _language_model(model: nn.Module) -> Model:

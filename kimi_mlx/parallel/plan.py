@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from ..config import KimiConfig
+from ..ops.memory import FILL, MIB, default_working_set, wired_limit_mib
 
 
 def split_evenly(n: int, parts: int, unit: int = 1) -> list[range]:
@@ -685,11 +686,20 @@ def attn_res_blocks(cfg: KimiConfig, layer: int) -> int:
 @dataclass(frozen=True)
 class Host:
     """One Mac: ``memory_gib`` of unified memory (GiB = 2**30 bytes), memory ``bandwidth_gbs`` (GB/s = 1e9 bytes/s)
-    and ``tflops`` (1e12 FLOP/s) when known."""
+    and ``tflops`` (1e12 FLOP/s) when known; ``wired_limit_gib``: its GPU working set when known (a raised
+    ``iogpu.wired_limit_mb`` / 1024, or what the Mac reports), None: macOS's default for its memory."""
 
     memory_gib: float
     bandwidth_gbs: Optional[float] = None
     tflops: Optional[float] = None
+    wired_limit_gib: Optional[float] = None
+
+    @property
+    def working_set(self) -> int:
+        """Bytes the GPU may keep wired: ``wired_limit_gib``, else ``ops.memory.default_working_set``."""
+        if self.wired_limit_gib is not None:
+            return int(self.wired_limit_gib * GIB)
+        return default_working_set(int(self.memory_gib * GIB))
 
 
 ULTRA_MIN_GIB, ULTRA_BANDWIDTH_GBS = 192, 819.2
@@ -726,7 +736,9 @@ JACCL_TB5 = Link(8.0, 25.5)
 
 @dataclass(frozen=True)
 class RankPlan:
-    """What one rank holds and needs. Bytes are bytes; ``usable`` = host memory - reserve."""
+    """What one rank holds and needs. Bytes are bytes; ``usable`` = host memory - reserve (the most its GPU can be
+    given: the RAM fit); ``wired_ok``: the need takes at most ``FILL`` of the host's GPU working set (the rest is for
+    activations), so it runs without raising the host's wired limit."""
 
     rank: int
     host: Host
@@ -745,6 +757,10 @@ class RankPlan:
     def free(self) -> int:
         """Usable bytes left (negative: the shortfall)."""
         return self.usable - self.need
+
+    @property
+    def wired_ok(self) -> bool:
+        return self.need <= FILL * self.host.working_set
 
 
 @dataclass(frozen=True)
@@ -783,10 +799,35 @@ class Plan:
     link_bytes: float  # bytes sent per decoded token by the busiest rank
     kv_bits: Optional[int] = None  # latent cache layout (``cache_bytes``)
     kv_group_size: int = 64
+    split_by_working_set: bool = False  # pipeline: layers in proportion to the hosts' working sets (load's default)
 
     @property
     def fits(self) -> bool:
+        """Every rank fits its host's memory - reserve (``wired_limits`` says whether a host's limit must be raised
+        first)."""
         return all(r.free >= 0 for r in self.ranks)
+
+    def wired_limits(self) -> dict[int, int]:
+        """For a plan that fits: rank -> the ``iogpu.wired_limit_mb`` (MiB) to raise its host to, so that the rank's
+        weights and cache take at most ``FILL`` of its GPU working set; empty when every rank already does. Under the
+        default pipeline split (by working set, as ``load`` splits) every host is raised by the same factor, so that
+        ``load`` still makes the planned split; otherwise only the ranks short of it. Never above a host's usable
+        memory (memory - reserve): ``tight`` names the ranks still short at the limits."""
+        if all(r.wired_ok for r in self.ranks):
+            return {}
+        if self.split_by_working_set:
+            needed = max(r.need / (FILL * r.host.working_set) for r in self.ranks)
+            factor = min(needed, min(r.usable / r.host.working_set for r in self.ranks))
+            wanted = {r.rank: math.ceil(factor * r.host.working_set / MIB) for r in self.ranks}
+        else:
+            wanted = {r.rank: wired_limit_mib(r.need) for r in self.ranks if not r.wired_ok}
+        limits = {rank: min(mib, self.ranks[rank].usable // MIB) for rank, mib in wanted.items()}
+        return {rank: mib for rank, mib in limits.items() if mib * MIB > self.ranks[rank].host.working_set}
+
+    def tight(self, limits: dict[int, int]) -> list[int]:
+        """Ranks whose need still takes more than ``FILL`` of their host's working set with ``limits`` applied."""
+        return [r.rank for r in self.ranks
+                if r.need > FILL * (limits[r.rank] * MIB if r.rank in limits else r.host.working_set)]
 
     def shortfall(self) -> list[str]:
         """One line per rank that does not fit, and the whole cluster's shortfall; empty when it fits."""
@@ -812,6 +853,9 @@ def _check_hosts(hosts: Sequence[Host], reserve_gib: float) -> None:
         if not h.memory_gib > reserve_gib:
             raise ValueError(f"host {i}: memory {h.memory_gib:g} GiB; expected more than the {reserve_gib:g} GiB "
                              f"reserve")
+        if h.wired_limit_gib is not None and not 0 < h.wired_limit_gib <= h.memory_gib:
+            raise ValueError(f"host {i}: wired limit {h.wired_limit_gib:g} GiB; expected a positive number no larger "
+                             f"than its {h.memory_gib:g} GiB of memory")
         for what, v in (("bandwidth", h.bandwidth_gbs), ("tflops", h.tflops)):
             if v is not None and not v > 0:
                 raise ValueError(f"host {i}: {what} {v:g}; expected a positive number")
@@ -820,14 +864,14 @@ def _check_hosts(hosts: Sequence[Host], reserve_gib: float) -> None:
 def plan_pipeline(acct: Accounting, hosts: Sequence[Host], link: Link = JACCL_TB5,
                   split: Union[None, str, Sequence[int]] = None, context: int = 32768, reserve_gib: float = 8.0,
                   prefill_chunk: int = 2048, kv_bits: Optional[int] = None, kv_group_size: int = 64) -> Plan:
-    """Contiguous layer ranges per host (``pipeline_ranges``: by default proportional to usable memory, what
-    ``load(parallel="pipeline")`` does with each Mac's working set), the embedding on rank 0, the final norm and
+    """Contiguous layer ranges per host (``pipeline_ranges``: by default proportional to each host's GPU working
+    set, as ``load(parallel="pipeline")`` splits by each Mac's), the embedding on rank 0, the final norm and
     head on every rank (the final hidden state is shared, not the logits), K3's ``output_attn_res`` on the last.
     ``kv_bits`` / ``kv_group_size``: the latent cache's layout (``cache_bytes``)."""
     _check_hosts(hosts, reserve_gib)
     cfg, n = acct.cfg, len(hosts)
     usable = [_usable(h, reserve_gib) for h in hosts]
-    ranges = pipeline_ranges(acct.layer_bytes(), usable, split)
+    ranges = pipeline_ranges(acct.layer_bytes(), [h.working_set for h in hosts], split)
     head = _head_parts(cfg)
     kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
     ranks = []
@@ -840,7 +884,7 @@ def plan_pipeline(acct: Accounting, hosts: Sequence[Host], link: Link = JACCL_TB
     return Plan("pipeline", acct, context, reserve_gib, link, tuple(ranks),
                 _pipeline_decode(acct, ranks, link, context, head, message, final, kv),
                 _pipeline_prefill(acct, ranks, link, context, head, message, final, prefill_chunk),
-                max(message + [0]) + 2 * (n - 1) / n * final, kv_bits, kv_group_size)
+                max(message + [0]) + 2 * (n - 1) / n * final, kv_bits, kv_group_size, split is None)
 
 
 def _head_parts(cfg: KimiConfig) -> frozenset:

@@ -11,7 +11,8 @@ Streaming sends the documented events: ``message_start``, then per block ``conte
 ``content_block_delta`` (``thinking_delta`` / ``text_delta`` / ``input_json_delta``), ``content_block_stop``,
 then ``message_delta`` (stop reason, output tokens) and ``message_stop``; ``ping`` events while a long prompt
 prefills; a failure mid-stream is an ``error`` event. Thinking: ``thinking.type`` ``enabled``/``adaptive`` turns
-K3 thinking on, ``disabled`` off (default: the server's); ``budget_tokens`` is not enforced.
+K3 thinking on, ``disabled`` off (default: the server's); with thinking on, ``budget_tokens`` N ends the reasoning
+section after N tokens (the scheduler writes K3's closer and the answer follows; ``backend.reasoning_budget``).
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from typing import Optional
 
 from fastapi import APIRouter, Request
 
-from .backend import (Backend, Prompt, choose_tools, reply_budget, render_prompt, resolve_thinking, sampling_params,
-                      sse_data, sse_response, stop_ids, submit, watch_disconnect, with_keepalive)
-from .errors import ApiError
-from .schemas import CountTokensRequest, MessagesRequest, parse
+from .backend import (Backend, Prompt, choose_tools, reasoning_budget, reply_budget, render_prompt, resolve_thinking,
+                      sampling_params, sse_data, sse_response, stop_ids, submit, watch_disconnect, with_keepalive)
+from .errors import GENERATION_FAILED, ApiError
+from .schemas import CountTokensRequest, MessagesRequest, parse, request_body
 from .text_stream import Generation, ReplyStream
 
 router = APIRouter()
@@ -94,7 +95,7 @@ def _message(model: str, msg_id: str, content: list, usage: dict, stop_reason: O
             "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", openapi_extra=request_body(MessagesRequest))
 async def messages(request: Request):
     state = request.app.state.server
     body = await state.body(request)
@@ -104,9 +105,10 @@ async def messages(request: Request):
     prompt = _prompt(backend, req)
     max_tokens = reply_budget(backend, len(prompt.tokens), req.max_tokens, "max_tokens", "messages")
     sampling = sampling_params(backend, {"temp": req.temperature, "top_p": req.top_p, "top_k": req.top_k})
+    budget = reasoning_budget(backend, prompt, req.thinking.budget_tokens if req.thinking else None)
     text = ReplyStream(backend.tokenizer, backend.chat_format, prompt.thinking, req.stop_sequences,
                        stop_ids(backend))
-    gen = Generation(submit(backend, prompt, max_tokens, sampling, None), text, "POST /v1/messages",
+    gen = Generation(submit(backend, prompt, max_tokens, sampling, None, budget), text, "POST /v1/messages",
                      len(prompt.tokens))
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     if req.stream:
@@ -117,7 +119,7 @@ async def messages(request: Request):
     finally:
         watcher.cancel()
     if gen.reason == "error":
-        raise ApiError(500, f"generation failed: {gen.finish.error}")
+        raise ApiError(500, GENERATION_FAILED)
     blocks: list[dict] = []
     for ev in events:
         kind = {"reasoning": "thinking", "content": "text"}.get(ev.kind)
@@ -129,11 +131,20 @@ async def messages(request: Request):
             blocks.append({"type": "text", "text": ev.text})
         elif ev.kind == "tool_call":
             call = ev.tool_call
-            blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments})
+            n = sum(b["type"] == "tool_use" for b in blocks)
+            blocks.append({"type": "tool_use", "id": tool_use_id(msg_id, n), "name": call.name,
+                           "input": call.arguments})
     if not blocks:
         blocks.append({"type": "text", "text": ""})
     calls = sum(b["type"] == "tool_use" for b in blocks)
     return _message(state.model_id, msg_id, blocks, _usage(gen), _stop_reason(gen, calls), gen.stop_string)
+
+
+def tool_use_id(msg_id: str, n: int) -> str:
+    """The id of the ``n``-th ``tool_use`` block of message ``msg_id``: ``toolu_{msg hex}_{n}``, unique in the
+    conversation and within Anthropic's id pattern ``[a-zA-Z0-9_-]+`` (the model's own ``functions.{name}:{n}`` is
+    not). Clients send it back as given; the renderer pairs results with calls by position (``chat.tool_ids``)."""
+    return f"toolu_{msg_id.removeprefix('msg_')}_{n}"
 
 
 async def _events(gen: Generation, model: str, msg_id: str, keepalive_s: float):
@@ -184,8 +195,9 @@ async def _events(gen: Generation, model: str, msg_id: str, keepalive_s: float):
                 out.append(delta({"type": "text_delta", "text": ev.text}))
             elif ev.kind == "tool_call":
                 call = ev.tool_call
+                out += open_block({"type": "tool_use", "id": tool_use_id(msg_id, calls), "name": call.name,
+                                   "input": {}})
                 calls += 1
-                out += open_block({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
                 out.append(delta({"type": "input_json_delta",
                                   "partial_json": json.dumps(call.arguments, ensure_ascii=False)}))
                 out += close_block()
@@ -194,7 +206,7 @@ async def _events(gen: Generation, model: str, msg_id: str, keepalive_s: float):
     if not started:
         yield start()
     if gen.reason == "error":
-        yield sse_data(ApiError(500, f"generation failed: {gen.finish.error}").anthropic_body(), "error")
+        yield sse_data(ApiError(500, GENERATION_FAILED).anthropic_body(), "error")
         return
     if index < 0:
         for text in open_block({"type": "text", "text": ""}):
@@ -207,7 +219,7 @@ async def _events(gen: Generation, model: str, msg_id: str, keepalive_s: float):
     yield sse_data({"type": "message_stop"}, "message_stop")
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post("/v1/messages/count_tokens", openapi_extra=request_body(CountTokensRequest))
 async def count_tokens(request: Request):
     state = request.app.state.server
     body = await state.body(request)

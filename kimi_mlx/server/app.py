@@ -1,6 +1,9 @@
-"""The ASGI app: OpenAI and Anthropic routes (``openai_routes``, ``anthropic_routes``), ``GET /health``, the API
+"""The ASGI app: OpenAI and Anthropic routes (``openai_routes``, ``anthropic_routes``), ``GET``/``HEAD /health``,
+``GET /openapi.json`` (the request bodies' schemas are the request models', ``kimi_mlx.server.schemas``), the API
 key, and errors as JSON in the route's style — OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error",
-...}`` on ``/v1/messages*``. Bad input never produces a traceback for the client.
+...}`` on ``/v1/messages*``. Bad input never produces a traceback for the client; an unexpected failure is a 500
+that says only that (the server log has the exception); a client that leaves while sending its body is one log
+line.
 
     app = create_app(load_backend, model_id="demo", api_key=None)   # a Backend, or a function that loads one
     uvicorn.run(app, host="127.0.0.1", port=8080)
@@ -12,18 +15,23 @@ after), so ``/health`` answers 503 while it loads and 200 when it is ready.
 from __future__ import annotations
 
 import hmac
+import importlib.metadata
 import logging
 import threading
 from contextlib import asynccontextmanager
 from typing import Callable, Optional, Union
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from . import anthropic_routes, openai_routes
 from .backend import Backend, ServerState
-from .errors import ApiError
+from .errors import INTERNAL_ERROR, ApiError
+from .schemas import REQUEST_MODELS
 
 log = logging.getLogger("kimi_mlx.server")
 
@@ -50,6 +58,30 @@ async def _check_key(request: Request) -> None:
                        code="invalid_api_key")
     if not hmac.compare_digest(given.encode(), key.encode()):
         raise ApiError(401, "invalid API key", code="invalid_api_key")
+
+
+def openapi_schema(app: FastAPI, model_id: str, api_key: bool) -> dict:
+    """The OpenAPI document of ``app``: its routes, the request models as components (the routes' request bodies
+    refer to them), ``model`` fields limited to the served ``model_id``, and the key schemes when one is needed."""
+    doc = get_openapi(title="kimi-mlx", version=importlib.metadata.version("kimi-mlx"), routes=app.routes,
+                      description="OpenAI- and Anthropic-compatible API of kimi-mlx serve")
+    _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS],
+                                 ref_template="#/components/schemas/{model}")
+    components = doc.setdefault("components", {})
+    components["schemas"] = defs["$defs"]
+    for schema in components["schemas"].values():
+        if "model" in schema.get("properties", {}):
+            served = {"type": "string", "enum": [model_id], "description": "the served model (others: 404)"}
+            schema["properties"]["model"] = served if "model" in schema.get("required", ()) else \
+                {"anyOf": [served, {"type": "null"}]}
+    if api_key:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                         "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+        for path, ops in doc["paths"].items():
+            if path.startswith("/v1/"):
+                for op in ops.values():
+                    op["security"] = [{"bearer": []}, {"x-api-key": []}]
+    return doc
 
 
 def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, api_key: Optional[str] = None,
@@ -81,11 +113,19 @@ def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, 
         if state.backend is not None:
             state.backend.scheduler.stop()
 
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     app.include_router(openai_routes.router, dependencies=[Depends(_check_key)])
     app.include_router(anthropic_routes.router, dependencies=[Depends(_check_key)])
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_schema(app, model_id, api_key is not None)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+    @app.head("/health", operation_id="health_head")
     @app.get("/health")
     async def health():
         if state.backend is None:
@@ -102,8 +142,14 @@ def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, 
         message = f"no route {request.method} {request.url.path}" if err.status_code == 404 else str(err.detail)
         return _error_response(request, ApiError(err.status_code, message, headers=err.headers))
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, err: ClientDisconnect):
+        log.info(f"{request.method} {request.url.path} | client disconnected while sending the request")
+        return Response(status_code=499)  # nobody reads it
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception):
-        return _error_response(request, ApiError(500, f"internal error ({type(err).__name__}: {err})"))
+        log.error(f"{request.method} {request.url.path} | internal error: {type(err).__name__}: {err}")
+        return _error_response(request, ApiError(500, INTERNAL_ERROR))
 
     return app

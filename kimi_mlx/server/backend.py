@@ -16,9 +16,12 @@ from typing import Any, Callable, Optional
 
 from fastapi.responses import StreamingResponse
 
-from ..chat.format import render_chat_with_starts
+from ..chat.format import encode_segments, render_chat_with_starts
+from ..chat.format_k3 import XTML_MARKERS, close_tag, open_tag
+from ..chat.tool_ids import in_call_order
 from .errors import ApiError
-from .scheduler import EngineStoppedError, GenerationRequest, QueueFullError, RequestStream, SamplingParams
+from .scheduler import (EngineStoppedError, GenerationRequest, QueueFullError, ReasoningBudget, RequestStream,
+                        SamplingParams)
 
 THINKING_EFFORTS = ("low", "high", "max")
 
@@ -83,18 +86,22 @@ def render_prompt(backend: Backend, messages: list[dict], *, tools: Optional[lis
 
     Boundaries are the token positions where each message begins after the first (= where the one before it
     ends) and where the last one ends; ``system_end`` is where the first non-system message begins (the tool
-    declarations and system prompt before it are shared by conversations). A message the renderer refuses is an
-    ApiError naming ``messages``.
+    declarations and system prompt before it are shared by conversations). Tool results are put in the order of the
+    calls they answer (``kimi_mlx.chat.tool_ids``). A message the renderer refuses (or nests too deeply to render) is
+    an ApiError naming ``messages``.
     """
     if backend.defaults.system is not None and not any(m.get("role") == "system" for m in messages):
         messages = [{"role": "system", "content": backend.defaults.system}, *messages]
     try:
+        messages = in_call_order(messages)
         tokens, starts = render_chat_with_starts(
             backend.tokenizer, messages, chat_format=backend.chat_format, tools=tools or None, thinking=thinking,
             thinking_effort=thinking_effort, tool_choice=tool_choice, response_format=response_format,
         )
     except (ValueError, TypeError) as e:
         raise ApiError(400, f"messages: {e}", "messages") from None
+    except RecursionError:
+        raise ApiError(400, "messages: a value nests too deeply to render", "messages") from None
     first = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
     system_end = starts[first] or 0
     boundaries = tuple(sorted({s for s in starts[1:] if s}))
@@ -129,20 +136,36 @@ def reply_budget(backend: Backend, prompt_tokens: int, max_tokens: Optional[int]
 
 
 def sampling_params(backend: Backend, fields: Mapping[str, Any]) -> SamplingParams:
-    """The server's default sampling with the request's given (non-None) fields on top; ``logit_bias`` keys are
-    checked against the vocabulary."""
+    """The server's default sampling with the request's given (non-None) fields on top. ``logit_bias`` keys must
+    be token ids written in decimal ASCII digits, inside the vocabulary; a ``top_k`` at or above the vocabulary
+    size keeps every token (as 0 does)."""
     params = replace(SamplingParams(), **backend.defaults.sampling)
     given = {k: v for k, v in fields.items() if v is not None}
     bias = given.pop("logit_bias", None)
     if bias:
         out = {}
         for key, value in bias.items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < backend.vocab_size:
-                raise ApiError(400, f"logit_bias: key {key!r} is not a token id in 0..{backend.vocab_size - 1}",
+            if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < backend.vocab_size):
+                raise ApiError(400, f"logit_bias: key {key[:40]!r} is not a token id in 0..{backend.vocab_size - 1}",
                                "logit_bias")
             out[int(key)] = float(value)
         given["logit_bias"] = out
-    return replace(params, **given)
+    params = replace(params, **given)
+    if params.top_k >= backend.vocab_size:
+        params.top_k = 0
+    return params
+
+
+def reasoning_budget(backend: Backend, prompt: Prompt, tokens: Optional[int]) -> Optional[ReasoningBudget]:
+    """The scheduler's limit for a reply's reasoning section: ``tokens`` reasoning tokens, then Kimi-K3's
+    ``<|close|>think<|sep|><|open|>response<|sep|>`` (the section ends earlier at the model's own first XTML marker
+    or stop token). None without a limit or a reasoning section: the prompt turned thinking off, or the format has
+    none (Kimi Linear; ``resolve_thinking`` refuses to turn it on there)."""
+    if tokens is None or prompt.thinking is False or backend.chat_format != "kimi_k3":
+        return None
+    markers = {backend.tokenizer.special_tokens[m] for m in XTML_MARKERS}
+    close = encode_segments(close_tag("think") + open_tag("response"), backend.tokenizer)
+    return ReasoningBudget(tokens, tuple(close), frozenset(markers) | stop_ids(backend))
 
 
 def stop_ids(backend: Backend) -> frozenset:
@@ -151,12 +174,12 @@ def stop_ids(backend: Backend) -> frozenset:
 
 
 def submit(backend: Backend, prompt: Prompt, max_tokens: int, sampling: SamplingParams,
-           top_logprobs: Optional[int]) -> RequestStream:
+           top_logprobs: Optional[int], reasoning: Optional[ReasoningBudget] = None) -> RequestStream:
     """Queue the generation (stopping on ``stop_ids``); a full queue is a 429 with ``Retry-After``."""
     request = GenerationRequest(
         tokens=list(prompt.tokens), max_tokens=max_tokens, sampling=sampling,
         stop_token_ids=stop_ids(backend), top_logprobs=top_logprobs,
-        boundaries=prompt.boundaries, system_end=prompt.system_end,
+        boundaries=prompt.boundaries, system_end=prompt.system_end, reasoning=reasoning,
     )
     try:
         return backend.scheduler.submit(request)

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+# what a client is told of a failure that is not its fault; the server log has the exception
+INTERNAL_ERROR = "internal server error (the server log has the details)"
+GENERATION_FAILED = "generation failed (the server log has the details)"
+
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                 429: "rate_limit_error", 503: "service_unavailable_error"}

@@ -6,30 +6,33 @@ Chat replies are parsed in the model's own format: reasoning comes back as ``rea
 ``stop``, ``length`` or ``tool_calls``; ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens the
 prefix cache supplied. Kimi-K3 thinking: ``chat_template_kwargs`` ``thinking``/``enable_thinking`` (bool) and
 ``thinking_effort`` (low/high/max), or ``reasoning_effort`` (``none`` turns thinking off; ``minimal``/``low`` ->
-low, ``medium``/``high`` -> high, ``xhigh``/``max`` -> max: K3 knows low, high and max).
+low, ``medium``/``high`` -> high, ``xhigh``/``max`` -> max: K3 knows low, high and max). Log-probabilities are
+reported within [``LOGPROB_FLOOR``, 0] (JSON has no -Infinity or NaN).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
-from typing import Any, Optional
+from typing import Optional
 
 from fastapi import APIRouter, Request
 
 from .backend import (Backend, Prompt, check_tokens, choose_tools, reply_budget, render_prompt, resolve_thinking,
                       sampling_params, sse_data, sse_response, stop_ids, submit, watch_disconnect,
                       with_keepalive)
-from .errors import ApiError
-from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, parse
+from .errors import GENERATION_FAILED, ApiError
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, parse, request_body
 from .text_stream import Generation, ReplyStream, TextStream
 
 router = APIRouter()
 
 KEEPALIVE = ": keepalive\n\n"  # an SSE comment: clients skip it
 EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
+LOGPROB_FLOOR = -9999.0  # a token of (numerically) zero probability, as OpenAI reports it
 
 
 class _Reply:
@@ -55,12 +58,18 @@ def _usage(gen: Generation) -> dict:
 
 def _check_finish(gen: Generation) -> None:
     if gen.reason == "error":
-        raise ApiError(500, f"generation failed: {gen.finish.error}")
+        raise ApiError(500, GENERATION_FAILED)
+
+
+def _logprob(value: float) -> float:
+    """A log-probability as JSON can carry it: clipped to [LOGPROB_FLOOR, 0]; NaN (penalties or biases that left
+    no finite distribution) as the floor."""
+    return LOGPROB_FLOOR if math.isnan(value) else min(0.0, max(LOGPROB_FLOOR, value))
 
 
 def _token_logprob(tokenizer, token: int, logprob: float) -> dict:
     raw = tokenizer.token_bytes(token)
-    return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+    return {"token": raw.decode("utf-8", "replace"), "logprob": _logprob(logprob), "bytes": list(raw)}
 
 
 def _chat_logprobs(tokenizer, gen: Generation, piece) -> Optional[list]:
@@ -104,19 +113,7 @@ async def get_model(request: Request, model_id: str):
 # ------------------------------------------------------------------------------------------------------- chat
 
 
-def _arguments(args: Any, chat_format: str) -> Any:
-    """Tool-call arguments for the renderer: Kimi Linear writes the JSON text as given; K3 writes typed arguments
-    from a dict, so a JSON object string becomes one (what the model generated, for the prefix cache)."""
-    if chat_format == "kimi_k3" and isinstance(args, str):
-        try:
-            parsed = json.loads(args)
-        except json.JSONDecodeError:
-            return args
-        return parsed if isinstance(parsed, dict) else args
-    return args
-
-
-def _message(m: ChatMessage, chat_format: str) -> dict:
+def _message(m: ChatMessage) -> dict:
     """A request message as the chat renderer's dict (``developer`` is a system message)."""
     out: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
     if m.name:
@@ -130,7 +127,7 @@ def _message(m: ChatMessage, chat_format: str) -> dict:
         if m.tool_calls:
             out["tool_calls"] = [
                 {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments, chat_format)}}
+                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
                 for c in m.tool_calls
             ]
     return out
@@ -151,16 +148,17 @@ def _thinking(backend: Backend, req: ChatCompletionRequest) -> tuple[Optional[bo
 
 def _chat_prompt(backend: Backend, req: ChatCompletionRequest) -> Prompt:
     thinking, effort = _thinking(backend, req)
-    if backend.chat_format == "kimi_linear" and (req.response_format or {}).get("type", "text") != "text":
+    response_format = req.response_format.for_renderer() if req.response_format is not None else None
+    if backend.chat_format == "kimi_linear" and response_format is not None:
         raise ApiError(400, "response_format: the Kimi Linear chat format has no JSON mode (only text)",
                        "response_format")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice
     name = choice["function"]["name"] if isinstance(choice, dict) else None
     tools, choice = choose_tools(backend, tools, "function" if name else choice, name, "tool_choice")
-    messages = [_message(m, backend.chat_format) for m in req.messages]
+    messages = [_message(m) for m in req.messages]
     return render_prompt(backend, messages, tools=tools, thinking=thinking, thinking_effort=effort,
-                         tool_choice=choice, response_format=req.response_format)
+                         tool_choice=choice, response_format=response_format)
 
 
 def _tool_call_json(call, index: int) -> dict:
@@ -174,7 +172,7 @@ def _chat_finish(gen: Generation, tool_calls: int) -> str:
     return "tool_calls" if tool_calls else "stop"
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def chat_completions(request: Request):
     state = request.app.state.server
     body = await state.body(request)
@@ -242,7 +240,7 @@ async def _chat_chunks(backend: Backend, gen: Generation, reply: _Reply, include
         for i, delta in enumerate(deltas):
             yield chunk(delta, logprobs=logprobs if i == 0 else None)
     if gen.reason == "error":
-        yield sse_data(ApiError(500, f"generation failed: {gen.finish.error}").openai_body())
+        yield sse_data(ApiError(500, GENERATION_FAILED).openai_body())
     else:
         yield chunk({}, finish=_chat_finish(gen, calls))
         if include_usage:
@@ -260,8 +258,9 @@ def _completion_logprobs(tokenizer, gen: Generation, piece, offset: int, out: di
     if ev is None or ev.logprob is None or ev.token in gen.stream.request.stop_token_ids:
         return
     out["tokens"].append(_token_logprob(tokenizer, ev.token, ev.logprob)["token"])
-    out["token_logprobs"].append(ev.logprob)
-    out["top_logprobs"].append({_token_logprob(tokenizer, t, lp)["token"]: lp for t, lp in ev.top_logprobs or []})
+    out["token_logprobs"].append(_logprob(ev.logprob))
+    out["top_logprobs"].append({_token_logprob(tokenizer, t, lp)["token"]: _logprob(lp)
+                                for t, lp in ev.top_logprobs or []})
     out["text_offset"].append(offset)
 
 
@@ -269,7 +268,7 @@ def _new_logprobs() -> dict:
     return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
 async def completions(request: Request):
     state = request.app.state.server
     body = await state.body(request)
@@ -313,7 +312,7 @@ async def _completion_chunks(backend: Backend, gen: Generation, reply: _Reply, w
                       "finish_reason": None}
             yield sse_data(reply.envelope("text_completion", [choice]))
     if gen.reason == "error":
-        yield sse_data(ApiError(500, f"generation failed: {gen.finish.error}").openai_body())
+        yield sse_data(ApiError(500, GENERATION_FAILED).openai_body())
     else:
         choice = {"index": 0, "text": "", "logprobs": None,
                   "finish_reason": "length" if gen.reason == "length" else "stop"}

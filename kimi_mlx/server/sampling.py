@@ -21,7 +21,8 @@ HISTORY = 64  # tokens of history the penalties see (mlx-lm's processors look at
 
 @dataclass
 class SamplingParams:
-    """temp 0 is greedy; the rest as in ``kimi_mlx.generate.stream_generate``. seed None: a random one."""
+    """temp 0 is greedy; the rest as in ``kimi_mlx.generate.stream_generate``. seed: any integer, taken modulo 2**64
+    (so -1 is 2**64 - 1; the server accepts OpenAI's signed 64-bit range); None: a random one."""
 
     temp: float = 0.0
     top_p: float = 1.0
@@ -48,7 +49,7 @@ class RowSampler:
         )
         self.history = list(history[-HISTORY:])
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
-        self.key = mx.random.key(seed)
+        self.key = mx.random.key(seed % 2**64)
 
     def logprobs(self, logits: mx.array) -> mx.array:
         """logits: [1, vocab] (one row) -> log-probabilities [1, vocab] after the logits processors."""

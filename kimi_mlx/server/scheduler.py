@@ -8,8 +8,9 @@ One engine thread owns the model and the caches. Each loop turn it
 3. a request whose prompt (all but its last token) is in its cache joins the batch (``merge_caches``: rows
    left-padded to a common length); its last prompt token is its first decode input;
 4. runs one decode step for the whole batch ``[B, 1]`` and samples each row with its own settings
-   (``RowSampler``); finished and cancelled rows leave (``HybridCache.filter``), a finished row's cache becomes a
-   "reply" snapshot, so the next turn of the conversation starts from it.
+   (``RowSampler``), except rows whose reasoning budget ran out (``ReasoningBudget``), which are given the tokens
+   that close the section, one per step; finished and cancelled rows leave (``HybridCache.filter``), a finished
+   row's cache becomes a "reply" snapshot, so the next turn of the conversation starts from it.
 
 So running streams keep flowing while new prompts prefill in chunks. The scheduler deals in token ids only; text,
 stop strings and chat formats belong to the HTTP layer.
@@ -38,8 +39,20 @@ from ..parallel import comm
 from .prefix_cache import PrefixCache
 from .sampling import RowSampler, SamplingParams, top_logprobs
 
-__all__ = ["EngineStoppedError", "FinishEvent", "GenerationRequest", "QueueFullError", "RequestStream", "SamplingParams", "Scheduler",
-           "TokenEvent"]
+__all__ = ["EngineStoppedError", "FinishEvent", "GenerationRequest", "QueueFullError", "ReasoningBudget",
+           "RequestStream", "SamplingParams", "Scheduler", "TokenEvent"]
+
+
+@dataclass(frozen=True)
+class ReasoningBudget:
+    """At most ``tokens`` reasoning tokens in a reply whose prompt opened the reasoning section: the section ends
+    at the first generated token in ``ends`` (the format's markers, the stop tokens); a row that generated
+    ``tokens`` tokens without one is given ``close`` (the tokens that close the section and open the answer) as its
+    next tokens, one per step, and then samples on."""
+
+    tokens: int
+    close: tuple[int, ...]
+    ends: frozenset
 
 
 @dataclass
@@ -47,7 +60,8 @@ class GenerationRequest:
     """tokens: the whole prompt (validated by the caller: non-empty, ids < vocab). stop_token_ids: generation stops
     after one of them (it is reported). top_logprobs: None none, 0 the chosen token's, k also the k most likely.
     boundaries: prompt positions that end a message (snapshot points); system_end: end of the system prompt and
-    tool declarations (a snapshot shared across conversations), 0 for none."""
+    tool declarations (a snapshot shared across conversations), 0 for none. reasoning: the reply's reasoning
+    budget (rank 0's tokens are every rank's, so only rank 0 keeps it)."""
 
     tokens: list[int]
     max_tokens: int
@@ -56,6 +70,7 @@ class GenerationRequest:
     top_logprobs: Optional[int] = None
     boundaries: tuple = ()
     system_end: int = 0
+    reasoning: Optional[ReasoningBudget] = None
 
 
 @dataclass
@@ -181,7 +196,8 @@ class _Plan:
 
 @dataclass
 class _Row:
-    """A request inside the engine: its stream, its one-row cache while prefilling, its sampler."""
+    """A request inside the engine: its stream, its one-row cache while prefilling, its sampler, and where it is
+    in its reasoning budget."""
 
     id: int
     stream: RequestStream
@@ -192,10 +208,26 @@ class _Row:
     next_input: int = 0
     generated: list = field(default_factory=list)
     cancelled: bool = False  # decided in a plan (the stream's flag is set from any thread, at any time)
+    reasoning_left: Optional[int] = None  # reasoning tokens the budget still allows (None: no budget, or done)
+    forced: list = field(default_factory=list)  # the next tokens, given instead of sampled
 
     @property
     def request(self) -> GenerationRequest:
         return self.stream.request
+
+    def follow_budget(self, token: int) -> None:
+        """Advance the reasoning budget past ``token``: a given token is used up; a token that ends the section
+        ends the budget; a reasoning token counts, and the last one allowed queues the section's closer."""
+        if self.forced:
+            self.forced.pop(0)
+        elif self.reasoning_left is not None:
+            budget = self.request.reasoning
+            if token in budget.ends:
+                self.reasoning_left = None
+                return
+            self.reasoning_left -= 1
+            if self.reasoning_left == 0:
+                self.reasoning_left, self.forced = None, list(budget.close)
 
 
 class Scheduler:
@@ -359,6 +391,8 @@ class Scheduler:
         req = stream.request
         prompt = req.tokens
         row = _Row(rid, stream, RowSampler(req.sampling, prompt))
+        if req.reasoning is not None:
+            row.reasoning_left = req.reasoning.tokens
         if entry_id is not None:
             entry = self.prefix_cache.get(entry_id)
             row.cache, row.done = cache_from_snapshot(entry.snapshot), entry.length
@@ -416,6 +450,10 @@ class Scheduler:
         inputs = mx.array([[r.next_input] for r in self._running])
         logits = self.model(inputs, cache=self._batch)[:, -1]
         tokens, lps = self._sample(logits)
+        forced = [r.forced[0] if r.forced else -1 for r in self._running]
+        if max(forced) >= 0:
+            given = mx.array(forced, dtype=mx.int32)
+            tokens = mx.where(given >= 0, given, tokens)
         if self.group is not None:  # rank 0's draws everywhere; the others add zeros that still depend on the
             # step's logits, so every rank runs the forward's collectives before this one, in the same order
             tokens = comm.all_sum(tokens if self.leader else tokens * 0, self.group)
@@ -423,6 +461,7 @@ class Scheduler:
         done = {"stop": [], "length": []}
         for row, token, lp in zip(self._running, tokens.tolist(), lps):
             row.sampler.record(token)
+            row.follow_budget(token)
             row.generated.append(token)
             row.next_input = token
             if self.leader:

@@ -1,23 +1,69 @@
 """Request bodies of the OpenAI (chat completions, completions) and Anthropic (messages, count_tokens) APIs as
-pydantic models: strict types (a string where a number belongs is an error, not a conversion), documented ranges,
-unknown fields ignored (as OpenAI does), an explicit ``null`` the same as leaving a field out. ``parse(model, body)`` turns the raw body into one, or an ``ApiError``
-(400) whose ``param`` names the field, as ``messages[1].content``.
+pydantic models: strict types (a string where a number belongs is an error, not a conversion; an integer may be
+written ``2.0``, as both APIs take it), documented ranges, unknown fields ignored (as OpenAI does), an explicit
+``null`` the same as leaving a field out. ``parse(model, body)`` turns the raw body into one, or an ``ApiError``
+(400) whose ``param`` names the field, as ``messages[1].content``; a body nested deeper than ``MAX_JSON_DEPTH``
+arrays and objects is refused before it is decoded.
 
 Message content is validated here and normalised to what ``kimi_mlx.chat.format`` renders: text (a string, or a
-list of text parts) — image, audio and file parts are refused (the models are text-only).
+list of text parts) — image, audio and file parts are refused (the models are text-only). Fields whose shape the
+validators check by hand carry that shape as their JSON schema (``WithJsonSchema``), so the server's
+``/openapi.json`` (``kimi_mlx.server.app``) describes what it accepts.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional
+import re
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+import numpy as np
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
 from .errors import ApiError
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 TEMPLATE_KWARGS = ("thinking", "enable_thinking", "thinking_effort")
+MAX_JSON_DEPTH = 100  # arrays and objects inside each other (JSON schemas of tools need a few dozen at most)
+INT64 = 2**63
+
+
+def _integral(value: Any) -> Any:
+    """A JSON number without a fractional part (``2.0``) as an int; anything else unchanged (for the strict check)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**limits):
+    """An int field type within ``limits`` (pydantic's ``ge``, ``le``, ...) that also takes ``2.0``."""
+    return Annotated[int, Field(**limits), BeforeValidator(_integral)]
+
+
+def _shape(schema: dict):
+    """A hand-validated ``Any`` field, described in the JSON schema as ``schema``."""
+    return Annotated[Any, WithJsonSchema(schema)]
+
+
+def _object(required: tuple[str, ...] = (), **properties) -> dict:
+    return {"type": "object", "properties": properties, "required": list(required)}
+
+
+_STR, _NULL = {"type": "string"}, {"type": "null"}
+_TEXT_PART = _object(("type", "text"), type={"const": "text"}, text=_STR)
+_TEXT_PARTS = {"type": "array", "items": _TEXT_PART}
+_STOPS = {"anyOf": [{"type": "string", "minLength": 1},
+                    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}, _NULL]}
+_ANTHROPIC_USER_BLOCKS = {"type": "array", "items": {"anyOf": [
+    _TEXT_PART,
+    _object(("type", "tool_use_id"), type={"const": "tool_result"}, tool_use_id={"type": "string", "minLength": 1},
+            content={"anyOf": [_STR, _TEXT_PARTS]}, is_error={"type": "boolean"}),
+]}}
+_ANTHROPIC_ASSISTANT_BLOCKS = {"type": "array", "items": {"anyOf": [
+    _TEXT_PART,
+    _object(("type", "thinking"), type={"const": "thinking"}, thinking=_STR, signature=_STR),
+    _object(("type", "data"), type={"const": "redacted_thinking"}, data=_STR),
+    _object(("type", "id", "name", "input"), type={"const": "tool_use"}, id=_STR, name=_STR,
+            input={"type": "object"}),
+]}}
 
 
 class _Body(BaseModel):
@@ -28,9 +74,23 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_depth(body: bytes) -> int:
+    """How deep arrays and objects nest in the JSON text ``body`` (brackets inside strings do not count)."""
+    a = np.frombuffer(_JSON_STRING.sub(b"", body), dtype=np.uint8)
+    step = np.isin(a, (0x5B, 0x7B)).astype(np.int64) - np.isin(a, (0x5D, 0x7D))
+    return int(np.cumsum(step).max(initial=0))
+
+
 def parse(model: type[_Body], body: bytes) -> _Body:
     """The request ``model`` in ``body`` (JSON bytes); ApiError 400 for bad UTF-8, bad JSON (NaN and Infinity
-    included) or a field that does not validate (the first one, named)."""
+    included), nesting deeper than ``MAX_JSON_DEPTH`` or a field that does not validate (the first one, named)."""
+    depth = json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        raise ApiError(400, f"the request body nests arrays and objects {depth} deep; this server takes at most "
+                            f"{MAX_JSON_DEPTH}")
     try:
         data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
     except UnicodeDecodeError as e:
@@ -111,9 +171,24 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
+def _chat_message_roles(schema: dict) -> None:
+    """What each role needs (the validators below), as JSON schema: content on all but assistant messages, the
+    call's id on tool messages, tool calls only on assistant messages."""
+    text, no_calls = {"anyOf": [_STR, _TEXT_PARTS]}, {"anyOf": [_NULL, {"type": "array", "maxItems": 0}]}
+    schema["oneOf"] = [
+        _object(("content",), role={"enum": ["system", "developer", "user"]}, content=text, tool_calls=no_calls),
+        _object((), role={"const": "assistant"}),
+        _object(("content", "tool_call_id"), role={"const": "tool"}, content=text, tool_calls=no_calls,
+                tool_call_id={"type": "string", "minLength": 1}),
+    ]
+
+
 class ChatMessage(_Body):
+    model_config = ConfigDict(json_schema_extra=_chat_message_roles)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = Field(None, validate_default=True)
+    content: _shape({"anyOf": [_STR, _TEXT_PARTS, _NULL], "description": "null only on assistant messages"}) = \
+        Field(None, validate_default=True)
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = Field(None, validate_default=True)
     tool_call_id: Optional[str] = Field(None, validate_default=True)
@@ -162,18 +237,21 @@ class _Sampling(_Body):
     model: Optional[str] = None
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, ge=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0)
+    top_k: Optional[integer(ge=0)] = Field(None, description="0: off; at or above the vocabulary size: every token")
     min_p: Optional[float] = Field(None, ge=0, le=1)
     repetition_penalty: Optional[float] = Field(None, gt=0)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    logit_bias: Optional[dict[str, float]] = None
-    seed: Optional[int] = None
-    stop: Any = Field(None, validate_default=True)
-    n: Optional[int] = None
+    logit_bias: Optional[Annotated[dict[str, float], WithJsonSchema({
+        "type": "object", "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        "description": "token id (decimal digits) -> bias added to its logit"})]] = None
+    seed: Optional[integer(ge=-INT64, le=INT64 - 1)] = None
+    stop: _shape(_STOPS) = Field(None, validate_default=True)
+    n: Optional[integer()] = None
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[integer(ge=1)] = None
 
     @field_validator("stop")
     @classmethod
@@ -201,16 +279,47 @@ class _Sampling(_Body):
                 "frequency_penalty": self.frequency_penalty, "logit_bias": self.logit_bias, "seed": self.seed}
 
 
+class JsonSchemaFormat(_Body):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: dict = Field(alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = Field(None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _json_schema(cls, v, info):
+        if v is None and info.data.get("type") == "json_schema":
+            raise ValueError("required for type 'json_schema'")
+        return v
+
+    def for_renderer(self) -> Optional[dict]:
+        """What ``kimi_mlx.chat.format`` takes: None for plain text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "json_schema": {"schema": self.json_schema.schema_}}
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[integer(ge=1)] = None
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    top_logprobs: Optional[integer(ge=0, le=20)] = None
     tools: Optional[list[Tool]] = None
-    tool_choice: Any = None
-    response_format: Optional[dict] = None
+    tool_choice: _shape({"anyOf": [{"enum": ["none", "auto", "required"]},
+                                   _object(("type", "function"), type={"const": "function"},
+                                           function=_object(("name",), name=_STR)), _NULL]}) = None
+    response_format: Optional[ResponseFormat] = None
     reasoning_effort: Optional[Literal[REASONING_EFFORTS]] = None
-    chat_template_kwargs: Optional[dict] = None
+    chat_template_kwargs: Optional[Annotated[dict, WithJsonSchema({
+        **_object(thinking={"type": "boolean"}, enable_thinking={"type": "boolean"}, thinking_effort=_STR),
+        "additionalProperties": False})]] = None
 
     @field_validator("tool_choice")
     @classmethod
@@ -221,13 +330,6 @@ class ChatCompletionRequest(_Sampling):
                 and isinstance(v["function"].get("name"), str):
             return v
         raise ValueError("expected 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\"}}")
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v):
-        if v is not None and v.get("type") not in ("text", "json_object", "json_schema"):
-            raise ValueError(f"type {v.get('type')!r} is not one of text, json_object, json_schema")
-        return v
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -258,8 +360,10 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Any
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    prompt: _shape({"anyOf": [{"type": "string", "minLength": 1},
+                              {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}],
+                    "description": "text or token ids (also a list holding one of them)"})
+    logprobs: Optional[integer(ge=0, le=20)] = None
     echo: Optional[bool] = None
 
     @field_validator("echo")
@@ -277,6 +381,8 @@ class CompletionRequest(_Sampling):
             v = v[0]
         if isinstance(v, str):
             return v
+        if isinstance(v, list):
+            v = [_integral(t) for t in v]
         if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
             return v
         if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
@@ -325,9 +431,17 @@ def anthropic_blocks(content: Any, role: str) -> list[dict]:
     return content
 
 
+def _anthropic_message_roles(schema: dict) -> None:
+    """The content blocks each role takes (``anthropic_blocks``), as JSON schema."""
+    schema["oneOf"] = [_object(role={"const": "user"}, content={"anyOf": [_STR, _ANTHROPIC_USER_BLOCKS]}),
+                       _object(role={"const": "assistant"}, content={"anyOf": [_STR, _ANTHROPIC_ASSISTANT_BLOCKS]})]
+
+
 class AnthropicMessage(_Body):
+    model_config = ConfigDict(json_schema_extra=_anthropic_message_roles)
+
     role: Literal["user", "assistant"]
-    content: Any
+    content: _shape({"anyOf": [_STR, _ANTHROPIC_USER_BLOCKS, _ANTHROPIC_ASSISTANT_BLOCKS]})
 
     @field_validator("content")
     @classmethod
@@ -348,13 +462,14 @@ class AnthropicToolChoice(_Body):
 
 class ThinkingConfig(_Body):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Optional[int] = Field(None, ge=1)
+    budget_tokens: Optional[integer(ge=1)] = Field(None, description="Kimi-K3: the reasoning section ends after this "
+                                                                 "many tokens")
 
 
 class _AnthropicPrompt(_Body):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: Any = None
+    system: _shape({"anyOf": [_STR, _TEXT_PARTS, _NULL]}) = None
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[AnthropicToolChoice] = None
     thinking: Optional[ThinkingConfig] = None
@@ -371,12 +486,12 @@ class _AnthropicPrompt(_Body):
 
 
 class MessagesRequest(_AnthropicPrompt):
-    max_tokens: int = Field(ge=1)
-    stop_sequences: Any = Field(None, validate_default=True)
+    max_tokens: integer(ge=1)
+    stop_sequences: _shape(_STOPS) = Field(None, validate_default=True)
     stream: Optional[bool] = None
     temperature: Optional[float] = Field(None, ge=0, le=1)
     top_p: Optional[float] = Field(None, ge=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0)
+    top_k: Optional[integer(ge=0)] = Field(None, description="0: off; at or above the vocabulary size: every token")
 
     @field_validator("stop_sequences")
     @classmethod
@@ -386,3 +501,13 @@ class MessagesRequest(_AnthropicPrompt):
 
 class CountTokensRequest(_AnthropicPrompt):
     pass
+
+
+REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, MessagesRequest, CountTokensRequest)
+
+
+def request_body(model: type[_Body]) -> dict:
+    """A route's ``openapi_extra``: its JSON request body is ``model`` (a component of the app's OpenAPI document,
+    one of ``REQUEST_MODELS``)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}

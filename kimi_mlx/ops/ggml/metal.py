@@ -95,8 +95,9 @@ def matvec_metal(
     ``gather_qmm`` for decode): blocks ``[E, N, row_bytes]``, integer ``indices`` in [0, E) (not checked: that
     would wait for them) whose shape broadcasts with ``x.shape[:-1]`` to S; pair s multiplies x[s] with expert
     ``indices[s]`` -> ``[*S, N]`` (e.g. x ``[T, 1, K]`` with indices ``[T, k]`` for top-k routing). One launch, grid
-    ``(32, N, pairs)``: one SIMD-group per output element, ``rows_per_threadgroup`` (1..32) output rows per
-    threadgroup; every pair decodes its own row, so this is for few rows of x. None when kernels are not enabled.
+    ``(32, N, pairs)``: one SIMD-group per output element, ``rows_per_threadgroup`` output rows per threadgroup
+    (capped at N; more than ``kimi_mlx.metal.MAX_THREADS_PER_THREADGROUP / 32`` = 16 is a ValueError); every pair
+    decodes its own row, so this is for few rows of x. None when kernels are not enabled.
     Gradient w.r.t. x: the pure path's."""
     what = "matvec_metal"
     nb = _check_blocks(blocks, name, 2 if indices is None else 3, what)
@@ -108,14 +109,18 @@ def matvec_metal(
     K = nb * f.block_elems
     if x.ndim < 1 or x.shape[-1] != K:
         raise ValueError(f"{what}: x must be [..., {K}] for {name} rows of {blocks.shape[-1]} bytes, got {x.shape}")
-    if not 1 <= rows_per_threadgroup <= 32:
-        raise ValueError(f"{what}: rows_per_threadgroup must be in [1, 32], got {rows_per_threadgroup}")
+    if rows_per_threadgroup < 1:
+        raise ValueError(f"{what}: rows_per_threadgroup must be >= 1, got {rows_per_threadgroup}")
+    N = blocks.shape[-2]
+    rows = max(1, min(rows_per_threadgroup, N))  # more would only idle (MLX checks the uncapped threadgroup)
+    most = metal.MAX_THREADS_PER_THREADGROUP // 32
+    metal.check_threadgroup(MATVEC_KERNEL, f"rows_per_threadgroup={rows_per_threadgroup}", 32 * rows,
+                            hint=f"at most {most} rows")  # fmt: skip
     if indices is not None and not mx.issubdtype(indices.dtype, mx.integer):
         raise ValueError(f"{what}: indices must be integers, got {indices.dtype}")
     kernel = metal.kernel(MATVEC_KERNEL)
     if kernel is None:
         return None
-    N = blocks.shape[-2]
     if indices is None:  # one expert, every pair reads it
         shape = x.shape[:-1]
         P = math.prod(shape)
@@ -130,7 +135,7 @@ def matvec_metal(
             inputs=[mx.broadcast_to(xa, (*shape, K)).reshape(P, K), experts, *_tables(name), idx],
             template=[("TYPE", int(f.qtype)), ("OT", xa.dtype)],
             grid=(32, N, P),
-            threadgroup=(32, rows_per_threadgroup, 1),
+            threadgroup=(32, rows, 1),
             output_shapes=[(P, N)],
             output_dtypes=[xa.dtype],
         )
