@@ -28,9 +28,10 @@ the tiny fixtures, 170 for Kimi-Linear-48B). Measured (time / fused path, tiny f
 (per-block overhead; expanded 59x), T=16 absorbed 0.27x (expanded 1.2x), T=128 1.08x vs 1.04x, T=512 1.89x vs 1.13x,
 T=2048 1.41x vs 0.76x; 48B dims (4 heads) T=1 1.09x (expanded 115x), T=16 0.22x vs 1.40x. So blockwise attention runs
 absorbed up to ``ABSORBED_MAX_QUERIES`` = 128 queries (decode, short chunks) and expanded per block beyond (prefill).
-On Metal (``kimi_mlx.metal.enabled()``) the absorbed form runs as one kernel launch over all S keys
-(``ops/mla_attention_metal.py``: ``mla_decode`` for one query, ``mla_prefill`` for a chunk), with this pure path's
-gradients; elsewhere, and for the expanded form, this pure path (differentiable).
+On Metal (``kimi_mlx.metal.enabled()``) the absorbed form runs as one kernel launch per key segment, whatever its
+length (``ops/mla_attention_metal.py``: ``mla_decode`` for one query, ``mla_prefill`` for a chunk; segments merged by
+their log-sum-exps), with this pure path's gradients; elsewhere, and for the expanded form, this pure path
+(differentiable).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def auto_key_block(B: int, H: int, T: int) -> int:
     """Keys per block when none is given. Absorbed (T <= ``ABSORBED_MAX_QUERIES``: decode, short chunks): the largest
     multiple of ``KEY_BLOCK`` whose float32 scores (B x H x T x block) fit ``SCORE_BUDGET_BYTES``, so decode runs
     few, large blocks (in 512-key blocks the tiny fixture decoded at 0.67x mlx-lm's speed after 128K tokens: per-block
-    overhead). Expanded prefill chunks: ``KEY_BLOCK`` (larger blocks measured slower there, 1.15x instead of 1.9x
+    overhead); a block ends at its segment's end, so over a paged cache decode takes one block per page. Expanded prefill chunks: ``KEY_BLOCK`` (larger blocks measured slower there, 1.15x instead of 1.9x
     mlx-lm's prefill at 32K, and 3x the memory). Either way memory does not grow with the context."""
     if T > ABSORBED_MAX_QUERIES:
         return KEY_BLOCK
@@ -191,8 +192,8 @@ def mla_attention(
     if absorbed is None:
         absorbed = T <= ABSORBED_MAX_QUERIES
     if quant is None and absorbed and metal.enabled():
-        # Metal: the absorbed form as one kernel launch per segment (ops/mla_attention_metal.py), whatever S; the
-        # pure path's gradients.
+        # Metal: the absorbed form as one kernel launch per segment (ops/mla_attention_metal.py); the pure path's
+        # gradients.
         return mla_attention_metal.mla_attention_metal(
             q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, mask
         )
