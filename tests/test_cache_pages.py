@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kimi_mlx.cache import LatentPage, MLALatentCache, cache_from_snapshot, merge_caches
+from kimi_mlx.cache import LatentPage, MLALatentCache, cache_from_snapshot, make_cache, merge_caches
 from kimi_mlx.parallel.plan import cache_bytes
 from kimi_mlx.server.prefix_cache import PrefixCache
 from kimi_mlx.server.scheduler import GenerationRequest, Scheduler
@@ -39,6 +39,11 @@ def _latent(cache) -> list[MLALatentCache]:
     return [c for c in cache if isinstance(c, MLALatentCache)]
 
 
+def _mla_states(snap) -> list:
+    """The snapshot's MLA layers' page tuples."""
+    return [s for s, kda in zip(snap.states, snap.kda_layers) if not kda]
+
+
 def _values(snap) -> list[np.ndarray]:
     """Copies of the values of every latent page of ``snap``."""
     return [np.array(a) for pages in _mla_states(snap) for p in pages for a in p.arrays]
@@ -62,17 +67,11 @@ def _chain_bytes(cfg, lengths: list[int]) -> int:
     return own + _mla_bytes(cfg, max(lengths) // P * P)
 
 
-def _mla_states(snap) -> list:
-    """The snapshot's MLA layers' page tuples."""
-    return [s for s, kda in zip(snap.states, snap.kda_layers) if not kda]
-
-
 def test_snapshot_shares_full_pages_and_copies_the_partial_one(kl_model):
     """After 40 tokens (pages of 16, 16, 8): the snapshot's first two pages are the cache's, its third an 8-position
-    copy. The cache goes on, then is restored to a
-    checkpoint at 20 tokens, inside the shared page 1, and written: that page is copied (copy on write), the
-    snapshot keeps its values, and both the cache and a cache restored from the snapshot continue like cold caches
-    fed the same tokens."""
+    copy. The cache goes on, then is restored to a checkpoint at 20 tokens, inside the shared page 1, and written:
+    that page is copied (copy on write), the snapshot keeps its values, and both the cache and a cache restored from
+    the snapshot continue like cold caches fed the same tokens."""
     model = kl_model
     prompt, more, other = _tokens(model, 40, 0), _tokens(model, 10, 1), _tokens(model, 5, 2)
     cache = model.make_cache()
@@ -111,8 +110,6 @@ def test_what_each_operation_allocates():
     positions: a snapshot allocates exactly the copy of the 44-position partial page; the next write goes into the
     cache's last page in place (no page copied); a write into a page the snapshot shares (after a trim) copies that
     page once; growth past a page end allocates one page and copies nothing."""
-    from kimi_mlx.cache import make_cache
-
     cache = make_cache([False])
     c = cache[0]
     c.page_size = 256
@@ -121,8 +118,8 @@ def test_what_each_operation_allocates():
     def write(n):
         mx.eval(c.update_and_fetch(mx.ones((1, 1, n, 128)), mx.ones((1, 1, n, 32))))
 
-    def cost(fn) -> tuple[int, int]:
-        """(bytes still allocated after fn, peak bytes during it)."""
+    def cost(fn) -> tuple[int, int, object]:
+        """(bytes still allocated after fn, peak bytes during it, its result)."""
         mx.clear_cache()  # no reuse of a larger free buffer (counted whole)
         mx.reset_peak_memory()
         before = mx.get_active_memory()
@@ -130,13 +127,13 @@ def test_what_each_operation_allocates():
         return mx.get_active_memory() - before, mx.get_peak_memory() - before, out
 
     write(300)
-    held, _, snap = cost(cache.snapshot)
+    held, _, snap = cost(cache.snapshot)  # kept alive below: it shares page 0
     assert held == 44 * per_position
+    page = 256 * per_position
     _, peak, _ = cost(lambda: write(1))
-    assert peak < 256 * per_position // 4  # in place: no page copied
+    assert peak < page // 4  # in place: no page copied
     c.trim(100)  # 201 positions: the next write lands in page 0, which the snapshot shares
     held, peak, _ = cost(lambda: write(1))
-    page = 256 * per_position
     assert held == page and peak < page + page // 4  # page 0 copied once (the snapshot keeps the old one)
     write(55)  # 257 positions: a second page
     held, peak, _ = cost(lambda: write(256))  # fills page 1 and starts page 2
