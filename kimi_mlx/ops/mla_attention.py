@@ -78,8 +78,9 @@ def auto_key_block(B: int, H: int, T: int) -> int:
     """Keys per block when none is given. Absorbed (T <= ``ABSORBED_MAX_QUERIES``: decode, short chunks): the largest
     multiple of ``KEY_BLOCK`` whose float32 scores (B x H x T x block) fit ``SCORE_BUDGET_BYTES``, so decode runs
     few, large blocks (in 512-key blocks the tiny fixture decoded at 0.67x mlx-lm's speed after 128K tokens: per-block
-    overhead); a block ends at its segment's end, so over a paged cache decode takes one block per page. Expanded prefill chunks: ``KEY_BLOCK`` (larger blocks measured slower there, 1.15x instead of 1.9x
-    mlx-lm's prefill at 32K, and 3x the memory). Either way memory does not grow with the context."""
+    overhead); a block ends at its segment's end, so over a paged cache decode takes one block per page. Expanded
+    prefill chunks: ``KEY_BLOCK`` (larger blocks measured slower there, 1.15x instead of 1.9x mlx-lm's prefill at 32K,
+    and 3x the memory). Either way memory does not grow with the context."""
     if T > ABSORBED_MAX_QUERIES:
         return KEY_BLOCK
     return max(1, SCORE_BUDGET_BYTES // (4 * B * H * T * KEY_BLOCK)) * KEY_BLOCK
