@@ -14,6 +14,11 @@ mlx-lm's ``prefill_step_size``) into a fresh cache, timed; then ``--decode-steps
   keeps): the quantity that must not grow with the context;
 - cache: bytes held by the cache after the prefill.
 
+``--fill`` (kimi-mlx only) prefills just the last chunk, after standing in for the rest with zero latents
+(``fill_latent``: attention's cost and memory depend only on the context's length): decode tok/s and the last
+chunk's prefill at long contexts in seconds; it also runs on checkouts from before the paged latent cache (for
+before/after comparisons: ``PYTHONPATH`` at that checkout's package).
+
 Both start from a fresh cache with nothing set aside, as any caller's: kimi-mlx's latent cache grows by pages
 (``kimi_mlx.cache``, nothing copied); mlx-lm's caches grow by copying (its own behaviour).
 
@@ -43,6 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 TINY = Path(os.environ.get("KIMI_MLX_SHARED", HERE.parents[1] / "shared")) / "fixtures/llamacpp/kimi_linear/hf"
 IMPLS = ("kimi-mlx", "kimi-mlx kv8", "kimi-mlx kv4", "mlx-lm")
+WARMUP_STEPS = 4  # untimed decode steps first (one-time costs of the first steps)
 
 
 def model_dir(name: str, cache_dir: Path) -> Path:
@@ -80,8 +86,28 @@ def cache_nbytes(cache) -> int:
     return sum(c.nbytes for c in cache)
 
 
-def measure(impl: str, path: Path, size: int, chunk: int, decode_steps: int, page_size: int = 0) -> dict:
-    """One measurement in this process (see the module doc); ``page_size`` > 0: kimi-mlx's latent page size."""
+def fill_latent(model, cache, n: int, room: int) -> None:
+    """Stand in for a prefill of n tokens: kimi-mlx's MLA latent caches get n zero latents (attention's cost and
+    memory depend only on the length; random ones would make most softmax weights denormal, which the CPU computes
+    many times slower), its KDA layers' offsets advance by n. On a checkout from before the paged cache, its caches
+    first set aside ``room`` positions, as its generators did."""
+    import kimi_mlx.cache as kc
+
+    if hasattr(kc, "reserve_cache"):
+        kc.reserve_cache(cache, room)
+    for layer, c in zip(model.layers, cache):
+        if layer.is_linear:
+            c.advance(n)
+        else:
+            c.update_and_fetch(*(mx.zeros((1, 1, n, d)) for d in (model.args.kv_lora_rank, model.args.qk_rope_head_dim)))
+    mx.eval([c.state for c in cache])
+
+
+def measure(impl: str, path: Path, size: int, chunk: int, decode_steps: int, page_size: int = 0,
+            fill: bool = False) -> dict:
+    """One measurement in this process (see the module doc); ``page_size`` > 0: kimi-mlx's latent page size;
+    ``fill``: only the last chunk is prefilled, after ``fill_latent`` (kimi-mlx only; prefill tok/s is then that
+    chunk's)."""
     from mlx.utils import tree_flatten
 
     if page_size and impl.startswith("kimi-mlx"):
@@ -91,13 +117,18 @@ def measure(impl: str, path: Path, size: int, chunk: int, decode_steps: int, pag
     model, vocab, make_cache = load(impl, path)
     if make_cache is None:
         return {"error": "no quantized cache (make_cache has no kv_bits)"}
+    if fill and not impl.startswith("kimi-mlx"):
+        return {"error": "--fill is for kimi-mlx's caches"}
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     tokens = mx.array(np.random.default_rng(0).integers(0, vocab, (1, size)))
     cache = make_cache()
+    start = size - chunk if fill else 0
+    if start:
+        fill_latent(model, cache, start, size + decode_steps + 1)
     mx.clear_cache()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    for s in range(0, size, chunk):
+    for s in range(start, size, chunk):
         logits = model(tokens[:, s : s + chunk], cache=cache)
         mx.eval(logits[:, -1], [c.state for c in cache])
     prefill_s = time.perf_counter() - t0
@@ -105,19 +136,20 @@ def measure(impl: str, path: Path, size: int, chunk: int, decode_steps: int, pag
     held = cache_nbytes(cache)
     tok = mx.argmax(logits[:, -1], axis=-1)
     mx.eval(tok)
-    t0 = time.perf_counter()
-    for _ in range(decode_steps):
+    for step in range(-WARMUP_STEPS, decode_steps):
+        if step == 0:
+            t0 = time.perf_counter()
         tok = mx.argmax(model(tok[:, None], cache=cache)[:, -1], axis=-1)
         mx.eval(tok)
     decode_s = time.perf_counter() - t0
-    return {"prefill_tps": size / prefill_s, "decode_tps": decode_steps / decode_s, "total": peak, "cache": held,
-            "transient": peak - weights - held, "weights": weights}
+    return {"prefill_tps": (size - start) / prefill_s, "decode_tps": decode_steps / decode_s, "total": peak,
+            "cache": held, "transient": peak - weights - held, "weights": weights}
 
 
 def run_one(impl: str, path: Path, size: int, args) -> dict:
     """``measure`` in a fresh process; a failure (exit, timeout) is recorded with its last words."""
     cmd = [sys.executable, __file__, "--one", impl, str(path), str(size), "--chunk", str(args.chunk),
-           "--decode-steps", str(args.decode_steps), "--page-size", str(args.page_size)]
+           "--decode-steps", str(args.decode_steps), "--page-size", str(args.page_size)] + ["--fill"] * args.fill
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -140,6 +172,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--page-size", type=int, default=0, help="kimi-mlx's latent page size (0: the library's)")
+    p.add_argument("--fill", action="store_true",
+                   help="prefill only the last chunk after random latents (kimi-mlx: decode at long contexts, fast)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per measurement")
     p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("KIMI_BENCH_CACHE",
                                                                        Path.home() / ".cache/kimi_mlx_bench")))
@@ -147,7 +181,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.one:
         impl, path, size = args.one
-        print(json.dumps(measure(impl, Path(path), int(size), args.chunk, args.decode_steps, args.page_size)))
+        print(json.dumps(measure(impl, Path(path), int(size), args.chunk, args.decode_steps, args.page_size,
+                                 args.fill)))
         return 0
     from bench_vs_mlx_lm import blas_in_use
 
