@@ -15,11 +15,11 @@ score(t, s) = scale * (q_nope . k_nope_s + q_pe . k_pe_s) with k_nope_s = c_kv_s
 When the keys are one segment of S <= key_block (one block) this is the fused path the layer always had:
 ``mx.fast.scaled_dot_product_attention`` absorbed in latent space for one query (the k_pe scores enter as an
 additive mask) and per-head expanded keys and values otherwise. Beyond one block the keys are visited ``key_block``
-at a time, a block never spanning two segments (so the cache's pages are never concatenated), with a running max /
-sum / output (float32), so the extra memory is O(H x T x key_block) (scores of one block, plus that block's
-expansion), whatever S is; the whole cache is never expanded per head. Every row must be allowed at least one key
-(our masks always let a query see itself); blocks a row may not see at all are cancelled exactly by the later
-rescale.
+at a time with a running max / sum / output (float32), so the extra memory is O(H x T x key_block) (scores of one
+block, plus that block's expansion), whatever S is; the whole cache is never expanded per head. Segments are never
+concatenated: an absorbed block may span several (one softmax over their concatenated scores, the weighted sum
+summed over their pieces), an expanded block lies in one. Every row must be allowed at least one key (our masks
+always let a query see itself); blocks a row may not see at all are cancelled exactly by the later rescale.
 
 Absorbed vs expanded per key block (bench/bench_mla_attention.py, CPU, S=8192, key_block=512, float32): absorbed
 costs ~2(2r + dr) flops per query x key x head; expanded ~2(dn + dr + dv) per query x key x head plus 2r(dn + dv)
@@ -36,7 +36,7 @@ their log-sum-exps), with this pure path's gradients; elsewhere, and for the exp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -78,9 +78,9 @@ def auto_key_block(B: int, H: int, T: int) -> int:
     """Keys per block when none is given. Absorbed (T <= ``ABSORBED_MAX_QUERIES``: decode, short chunks): the largest
     multiple of ``KEY_BLOCK`` whose float32 scores (B x H x T x block) fit ``SCORE_BUDGET_BYTES``, so decode runs
     few, large blocks (in 512-key blocks the tiny fixture decoded at 0.67x mlx-lm's speed after 128K tokens: per-block
-    overhead); a block ends at its segment's end, so over a paged cache decode takes one block per page. Expanded
-    prefill chunks: ``KEY_BLOCK`` (larger blocks measured slower there, 1.15x instead of 1.9x mlx-lm's prefill at 32K,
-    and 3x the memory). Either way memory does not grow with the context."""
+    overhead); over a paged cache such a block spans several pages (``_blocks``). Expanded prefill chunks:
+    ``KEY_BLOCK`` (larger blocks measured slower there, 1.15x instead of 1.9x mlx-lm's prefill at 32K, and 3x the
+    memory). Either way memory does not grow with the context."""
     if T > ABSORBED_MAX_QUERIES:
         return KEY_BLOCK
     return max(1, SCORE_BUDGET_BYTES // (4 * B * H * T * KEY_BLOCK)) * KEY_BLOCK
@@ -144,14 +144,22 @@ def segments(keys: Keys) -> list:
     return keys if isinstance(keys, list) else [keys]
 
 
-def _blocks(widths: list[int], key_block: int):
-    """(segment index, start within it, absolute start, absolute end) of each key block: ``key_block`` keys at a
-    time inside each segment of ``widths``."""
-    base = 0
+def _blocks(widths: list[int], key_block: int, span: bool) -> Iterator[list[tuple[int, int, int]]]:
+    """Key blocks of at most ``key_block`` keys, in key order: lists of pieces (segment, start, end), each inside one
+    segment of ``widths``. With ``span`` a block packs consecutive pieces across segments (their scores are
+    concatenated, never their keys: a paged cache's decode takes one block for all the pages its budget allows);
+    else each piece is a block."""
+    block, size = [], 0
     for i, w in enumerate(widths):
         for b0 in range(0, w, key_block):
-            yield i, b0, base + b0, base + min(b0 + key_block, w)
-        base += w
+            b1 = min(b0 + key_block, w)
+            if block and (not span or size + b1 - b0 > key_block):
+                yield block
+                block, size = [], 0
+            block.append((i, b0, b1))
+            size += b1 - b0
+    if block:
+        yield block
 
 
 def _after(parts: tuple, done: list[mx.array]) -> tuple:
@@ -179,7 +187,7 @@ def mla_attention(
     ``auto_key_block``); ``absorbed`` forces the blockwise form (default: absorbed for T <= ``ABSORBED_MAX_QUERIES``).
 
     ``kv_latent`` / ``k_pe``: one part each, or lists of segments (the pages of a paged cache, ``fetch()``), of the
-    same widths; a block never spans two segments.
+    same widths, read where they lie (``_blocks``).
 
     ``quant`` = (bits, group_size): the parts may be ``mx.quantize`` triples (codes, scales, biases) of a quantized
     cache (a part its group size does not divide stays float). They are read as stored: absorbed blocks by
@@ -208,25 +216,34 @@ def mla_attention(
     else:
         q_nope, q_pe = q_nope * scale, q_pe * scale
     m = l = acc = None
-    for i, b0, s0, s1 in _blocks(widths, key_block):
-        c, kr = _block(kv_latent[i], b0, b0 + s1 - s0), _block(k_pe[i], b0, b0 + s1 - s0)
+    s0 = 0
+    for block in _blocks(widths, key_block, span=absorbed):
+        n = sum(b1 - b0 for _, b0, b1 in block)
+        cs = [_block(kv_latent[i], b0, b1) for i, b0, b1 in block]
+        krs = [_block(k_pe[i], b0, b1) for i, b0, b1 in block]
         if acc is not None:
-            c, kr = _after((c, kr), [m, l, acc])
+            waited = _after((*cs, *krs), [m, l, acc])
+            cs, krs = waited[: len(cs)], waited[len(cs) :]
         if absorbed:
-            s = (_mm(q_lat, c, True, quant) + _mm(q_rot, kr, True, quant)).reshape(B, H, T, s1 - s0)
+            s = mx.concatenate([_mm(q_lat, c, True, quant) + _mm(q_rot, kr, True, quant) for c, kr in zip(cs, krs)],
+                               axis=-1).reshape(B, H, T, n)
         else:
-            c, kr = _dequantized(c, quant), _dequantized(kr, quant)
+            c, kr = _dequantized(cs[0], quant), _dequantized(krs[0], quant)
             v = unembed_out(c)
             s = q_nope @ embed_q(c, transpose=False).swapaxes(-1, -2) + q_pe @ kr.swapaxes(-1, -2)
         s = s.astype(mx.float32)
-        bm = _block_mask(mask, T, S, s0, s1)
+        bm = _block_mask(mask, T, S, s0, s0 + n)
         if bm is not None:
             s = mx.where(bm, s, mx.finfo(mx.float32).min)
         m_new = s.max(axis=-1, keepdims=True) if m is None else mx.maximum(m, s.max(axis=-1, keepdims=True))
         p = mx.exp(s - m_new)
         if absorbed:
-            p_dtype = q_lat.dtype if isinstance(c, tuple) else c.dtype
-            pv = _mm(p.astype(p_dtype).reshape(B, 1, H * T, s1 - s0), c, False, quant).reshape(B, H, T, -1)
+            p_dtype = q_lat.dtype if isinstance(cs[0], tuple) else cs[0].dtype
+            p_lat, pv, o = p.astype(p_dtype).reshape(B, 1, H * T, n), 0, 0
+            for c, (_, b0, b1) in zip(cs, block):
+                pv = pv + _mm(p_lat[..., o : o + b1 - b0], c, False, quant)
+                o += b1 - b0
+            pv = pv.reshape(B, H, T, -1)
         else:
             pv = p.astype(v.dtype) @ v
         if m is None:
@@ -235,5 +252,6 @@ def mla_attention(
             alpha = mx.exp(m - m_new)
             l, acc = l * alpha + p.sum(axis=-1, keepdims=True), acc * alpha + pv
         m = m_new
+        s0 += n
     out = (acc / l).astype(q_nope.dtype)
     return unembed_out(out) if absorbed else out
