@@ -124,6 +124,13 @@ def _mm(x: mx.array, part, transpose: bool, quant: Quant) -> mx.array:
     return x @ (part.swapaxes(-1, -2) if transpose else part)
 
 
+def _scores(q_lat: mx.array, q_rot: mx.array, c, kr, quant: Quant) -> mx.array:
+    """Absorbed scores ``q_lat c^T + q_rot k_pe^T`` of one piece of keys (one fused multiply-add when both are float)."""
+    if isinstance(c, tuple) or isinstance(kr, tuple):
+        return _mm(q_lat, c, True, quant) + _mm(q_rot, kr, True, quant)
+    return mx.addmm(q_rot @ kr.swapaxes(-1, -2), q_lat, c.swapaxes(-1, -2))
+
+
 def _dequantized(part, quant: Quant) -> mx.array:
     if isinstance(part, tuple):
         bits, group_size = quant
@@ -132,6 +139,9 @@ def _dequantized(part, quant: Quant) -> mx.array:
 
 
 def _block(part, s0: int, s1: int):
+    """Positions [s0, s1) of a part (the part itself when that is all of it: one op less per page)."""
+    if (s0, s1) == (0, _width(part)):
+        return part
     return tuple(a[:, :, s0:s1] for a in part) if isinstance(part, tuple) else part[:, :, s0:s1]
 
 
@@ -225,8 +235,8 @@ def mla_attention(
             waited = _after((*cs, *krs), [m, l, acc])
             cs, krs = waited[: len(cs)], waited[len(cs) :]
         if absorbed:
-            s = mx.concatenate([_mm(q_lat, c, True, quant) + _mm(q_rot, kr, True, quant) for c, kr in zip(cs, krs)],
-                               axis=-1).reshape(B, H, T, n)
+            s = mx.concatenate([_scores(q_lat, q_rot, c, kr, quant) for c, kr in zip(cs, krs)], axis=-1)
+            s = s.reshape(B, H, T, n)
         else:
             c, kr = _dequantized(cs[0], quant), _dequantized(krs[0], quant)
             v = unembed_out(c)
@@ -237,11 +247,11 @@ def mla_attention(
             s = mx.where(bm, s, mx.finfo(mx.float32).min)
         m_new = s.max(axis=-1, keepdims=True) if m is None else mx.maximum(m, s.max(axis=-1, keepdims=True))
         p = mx.exp(s - m_new)
-        if absorbed:
+        if absorbed:  # each piece's weighted sum in the cache's dtype, summed in float32
             p_dtype = q_lat.dtype if isinstance(cs[0], tuple) else cs[0].dtype
-            p_lat, pv, o = p.astype(p_dtype).reshape(B, 1, H * T, n), 0, 0
+            p_lat, pv, o = p.astype(p_dtype).reshape(B, 1, H * T, n), mx.array(0, mx.float32), 0
             for c, (_, b0, b1) in zip(cs, block):
-                pv = pv + _mm(p_lat[..., o : o + b1 - b0], c, False, quant)
+                pv = pv + _mm(p_lat if len(cs) == 1 else p_lat[..., o : o + b1 - b0], c, False, quant)
                 o += b1 - b0
             pv = pv.reshape(B, H, T, -1)
         else:
