@@ -233,6 +233,12 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     # -- chat formats against the official templates, tool-call ids (issue 20 item 2)
     PlantedBug(
+        "chat: the reply parser lets a RecursionError out of deeply nested tool-call JSON",
+        (("kimi_mlx/chat/parser.py", "    except RecursionError:\n        raise json.JSONDecodeError(",
+          "    except ZeroDivisionError:\n        raise json.JSONDecodeError("),),
+        ("tests/test_chat_parser.py::test_deeply_nested_arguments_never_raise",),
+    ),
+    PlantedBug(
         "chat: the Kimi Linear template's call counter starts at 1",
         (("kimi_mlx/chat/format.py", "    counter = 0  # calls so far in the conversation",
           "    counter = 1  # calls so far in the conversation"),),
