@@ -382,6 +382,14 @@ BUGS: tuple[PlantedBug, ...] = (
           "        blocks.raw = blocks.inv_rms = None"),),
         ("tests/test_parallel_pipeline.py::test_two_ranks_match_one_process",),
     ),
+    PlantedBug(
+        "watchdog: a failed error write ends the watchdog thread before it ends the process",
+        (("kimi_mlx/parallel/watchdog.py", "                except Exception:  # noqa: BLE001 - nowhere left",
+          "                except ZeroDivisionError:  # noqa: BLE001 - nowhere left"),
+         ("kimi_mlx/parallel/watchdog.py", "        finally:\n            os._exit(EXIT_STATUS)",
+          "        except ZeroDivisionError:\n            pass\n        os._exit(EXIT_STATUS)")),
+        ("tests/test_parallel_health.py::test_a_lost_rank_ends_the_others_when_their_stderr_is_gone",),
+    ),
     # -- server caches (issue 13)
     PlantedBug(
         "server cache: merge_caches puts a shorter cache's zero MLA latents after its positions, not in front",
