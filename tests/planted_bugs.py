@@ -233,6 +233,12 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     # -- chat formats against the official templates, tool-call ids (issue 20 item 2)
     PlantedBug(
+        "chat: the reply parser lets a RecursionError out of deeply nested tool-call JSON",
+        (("kimi_mlx/chat/parser.py", "    except RecursionError:\n        raise json.JSONDecodeError(",
+          "    except ZeroDivisionError:\n        raise json.JSONDecodeError("),),
+        ("tests/test_chat_parser.py::test_deeply_nested_arguments_never_raise",),
+    ),
+    PlantedBug(
         "chat: the Kimi Linear template's call counter starts at 1",
         (("kimi_mlx/chat/format.py", "    counter = 0  # calls so far in the conversation",
           "    counter = 1  # calls so far in the conversation"),),
@@ -375,6 +381,14 @@ BUGS: tuple[PlantedBug, ...] = (
           "        blocks.raw, blocks.inv_rms = packed[:-1], inv_rms(packed[:-1], blocks.eps)",
           "        blocks.raw = blocks.inv_rms = None"),),
         ("tests/test_parallel_pipeline.py::test_two_ranks_match_one_process",),
+    ),
+    PlantedBug(
+        "watchdog: a failed error write ends the watchdog thread before it ends the process",
+        (("kimi_mlx/parallel/watchdog.py", "                except Exception:  # noqa: BLE001 - nowhere left",
+          "                except ZeroDivisionError:  # noqa: BLE001 - nowhere left"),
+         ("kimi_mlx/parallel/watchdog.py", "        finally:\n            os._exit(EXIT_STATUS)",
+          "        except ZeroDivisionError:\n            pass\n        os._exit(EXIT_STATUS)")),
+        ("tests/test_parallel_health.py::test_a_lost_rank_ends_the_others_when_their_stderr_is_gone",),
     ),
     # -- server caches (issue 13)
     PlantedBug(

@@ -165,6 +165,30 @@ def test_malformed_tool_call_is_raw_content(text, warning):
     assert any(warning in w for w in r.warnings), r.warnings
 
 
+@pytest.mark.parametrize("chat_format, text", [
+    ("kimi_k3", '<|open|>call tool="f"<|sep|><|open|>json type="object"<|sep|>{DEEP}<|close|>json<|sep|><|close|>call<|sep|>'),
+    ("kimi_k3", '<|open|>call tool="f"<|sep|><|open|>argument key="a" type="array"<|sep|>{DEEP}<|close|>argument<|sep|>'
+                '<|close|>call<|sep|>'),
+    ("kimi_linear", "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{DEEP}<|tool_call_end|>"),
+], ids=["k3_json_block", "k3_argument", "kimi_linear"])
+def test_deeply_nested_arguments_never_raise(chat_format, text):
+    """Tool-call JSON nested 100,000 deep (past Python's recursion limit) is invalid JSON like any other: no call,
+    a warning, parsing goes on (a model can write it; it must not end the reply with a RecursionError)."""
+    deep = "[" * 100_000 + "]" * 100_000
+    text = text.replace("{DEEP}", deep)
+    if chat_format == "kimi_k3":
+        full = f"R<|close|>think<|sep|><|open|>tools<|sep|>{text}<|close|>tools<|sep|>" + TURN_END
+    else:
+        full = f"<|tool_calls_section_begin|>{text}<|tool_calls_section_end|>"
+    r = parse_reply(full, chat_format)
+    if "argument key" in text:  # a typed argument that is not JSON is kept as a string, with a warning
+        assert [c.arguments for c in r.tool_calls] == [{"a": deep}]
+        assert any("is not JSON; kept as a string" in w for w in r.warnings), r.warnings
+    else:  # a call whose arguments are not JSON is kept as raw content, with a warning
+        assert r.tool_calls == [] and deep in r.content
+        assert any("not valid JSON (nested too deeply to decode)" in w for w in r.warnings), r.warnings
+
+
 def test_garbage_never_raises():
     """Garbage: unknown tags, stray markers, text after the end — raw content (or reasoning) + warnings."""
     r = parse_reply("x<|open|>bogus<|sep|>y<|close|>think<|sep|>z<|open|>blah <|open|>response<|sep|>c", "kimi_k3")

@@ -71,9 +71,10 @@ report("done")
 """
 
 
-def run_by_hand(code: str, n: int, tmp_path: Path, args=(), env=None, wait_for=None):
+def run_by_hand(code: str, n: int, tmp_path: Path, args=(), env=None, wait_for=None, stderr_gone=False):
     """Start ``n`` ranks with the environment ``mlx.launch`` gives them (``MLX_RANK``, ``MLX_HOSTFILE``), each
     pinned to a core, but no launcher; wait for the ranks ``wait_for`` (default all) to exit, then kill the rest.
+    ``stderr_gone``: each rank's stderr is a pipe nobody reads any more (a launcher that was killed).
     Returns (exit status per rank, stderr per rank, seconds until the awaited ranks had exited)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     script = tmp_path / "rank_script.py"
@@ -87,9 +88,13 @@ def run_by_hand(code: str, n: int, tmp_path: Path, args=(), env=None, wait_for=N
         for r in range(n):
             rank_env = dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile), KIMI_RANK_OUT=str(tmp_path),
                             **(env or {}))
+            err = subprocess.PIPE if stderr_gone else open(tmp_path / f"rank{r}.err", "w")
             procs.append(subprocess.Popen(
                 ["taskset", "-c", str(r % (os.cpu_count() or 1)), sys.executable, str(script), *map(str, args)],
-                env=rank_env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"rank{r}.err", "w")))
+                env=rank_env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err))
+            if stderr_gone:
+                procs[-1].stderr.close()
+                (tmp_path / f"rank{r}.err").write_text("")
         for r in range(n) if wait_for is None else wait_for:
             procs[r].wait(timeout=max(HANG_S - (time.monotonic() - start), 1))
         elapsed = time.monotonic() - start
@@ -192,6 +197,14 @@ def test_a_lost_rank_ends_the_others_naming_it(tmp_path, n, victim, how):
     for r in survivors:
         assert status[r] == 1, errors[r]
         assert f"kimi-mlx: error: rank {victim} ({os.uname().nodename}) lost: {why}\n" in errors[r], errors[r]
+
+
+def test_a_lost_rank_ends_the_others_when_their_stderr_is_gone(tmp_path):
+    """The launcher is gone (killed with its process group), so writing the error fails: a rank whose peer froze
+    still ends with status 1 instead of staying blocked in a collective forever."""
+    status, _, elapsed = run_by_hand(LOOP, 2, tmp_path, args=(1, "stop", 10**6), env={"KIMI_MLX_PEER_TIMEOUT": "3"},
+                                     wait_for=[0], stderr_gone=True)
+    assert elapsed < LIMIT_S and status[0] == 1
 
 
 def test_ranks_that_finish_at_different_times_raise_no_alarm(tmp_path):

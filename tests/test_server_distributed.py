@@ -120,6 +120,35 @@ def test_two_ranks_serve_chat_completions_over_http(tmp_path):
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
         log.close()
+        ranks_left = _wait_for_group_exit(proc.pid, 45)  # the ranks too, not only the launcher
+    assert not ranks_left, f"ranks still running 45 s after SIGTERM: {ranks_left}"
     model, tok = load(model_dir, dtype=mx.float32)
     want = [generate(model, tok, render_chat(tok, m), 12, stop_strings=()) for m in chats]
     assert got == [want[0], want[0], want[1], want[1]], (tmp_path / "serve.log").read_text()
+
+
+def _wait_for_group_exit(pgid: int, timeout_s: float) -> list[str]:
+    """Wait until no process of group ``pgid`` is left; past ``timeout_s`` kill the rest and return their command
+    lines (a rank left blocked in a collective would otherwise outlive the test)."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    def members() -> list[str]:
+        out = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    out.append((stat.parent / "cmdline").read_text().replace("\0", " ").strip())
+            except (OSError, IndexError, ValueError):
+                pass
+        return out
+
+    deadline = time.monotonic() + timeout_s
+    while (left := members()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if left:
+        os.killpg(pgid, signal.SIGKILL)
+    return left

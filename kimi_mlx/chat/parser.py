@@ -411,7 +411,7 @@ class ReplyParser:
             call.args[key] = text
             return
         try:
-            value = json.loads(text)
+            value = _json(text)
         except json.JSONDecodeError:
             self._warn(f"tool {call.attrs.get('tool')!r} argument {key!r} typed {vtype} is not JSON; kept as a string")
             call.args[key] = text
@@ -428,7 +428,7 @@ class ReplyParser:
             call.broken = call.broken or "no tool name"
         if call.json_block is not None and call.broken is None:
             try:
-                parsed = json.loads(call.json_block)
+                parsed = _json(call.json_block)
             except json.JSONDecodeError as e:
                 call.broken = f"its json block is not valid JSON ({e.msg})"
             else:
@@ -506,7 +506,7 @@ class ReplyParser:
             call.broken = "no function name"
         else:
             try:
-                args = json.loads(call.value)
+                args = _json(call.value)
             except json.JSONDecodeError as e:
                 call.broken = f"its arguments are not valid JSON ({e.msg})"
             else:
@@ -552,6 +552,15 @@ _K3_TRANSITIONS: dict[str, dict[tuple[str, str], str]] = {
     "after_tools": {("close", "message"): "end", ("eom", ""): "done"},
     "end": {("eom", ""): "done"},
 }
+
+
+def _json(text: str) -> Any:
+    """``json.loads`` of model output; JSON nested past Python's recursion limit is a ``JSONDecodeError`` too (the
+    parser keeps such a call as raw content, as any other invalid JSON)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply to decode", text, 0) from None
 
 
 def _parse_tag(raw: str) -> tuple[str, str, dict] | None:

@@ -121,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, group) -> int:
+    import mlx.core as mx
+
     from ..parallel.health import RankError
 
     if ranks.rank(group) != 0:  # the other ranks follow rank 0's engine until it stops serving
@@ -131,6 +133,8 @@ def _run(args: argparse.Namespace, group) -> int:
         except (OSError, ValueError) as e:
             return ranks.report_error(e, group)
         scheduler.serve()
+        mx.synchronize()
+        mx.clear_streams()  # as _serve's exit path
         return 0
     return _serve(args, group)
 
@@ -183,10 +187,11 @@ def _serve(args: argparse.Namespace, group) -> int:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
-    # MLX 0.32 aborts at interpreter exit ("terminate called without an active exception") once a compiled CPU
-    # kernel ran only on other threads (the load and engine threads here); one synchronize on the main thread
-    # first avoids it.
+    # MLX's streams belong to the thread that made them and must be released before the interpreter exits, or their
+    # teardown can abort the process ("terminate called without an active exception"): the load and engine threads
+    # release theirs as they end, the main thread here.
     mx.synchronize()
+    mx.clear_streams()
     log.info("kimi-mlx serve: stopped")
     if failed:
         print(f"kimi-mlx: error: {failed[0]}", file=sys.stderr)

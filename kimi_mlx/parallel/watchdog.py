@@ -201,17 +201,20 @@ class Watchdog:
         self._fatal(f"{peer} lost: {why}")
 
     def _fatal(self, text: str) -> None:
-        """Print the error, tell the others (rank 0) and end the process."""
-        others = [p for p in self.peers if not p.gone] if self.rank == 0 else []
-        for peer in others:
-            self._send(peer, f"lost {text}")
+        """Print the error, tell the others (rank 0) and end the process, whatever fails on the way (a launcher
+        killed with its ranks leaves stdout and stderr as pipes nobody reads: writing them raises)."""
         try:
-            sys.stdout.flush()
-        except Exception:  # the error line below matters more than buffered output
-            pass
-        os.write(2, f"kimi-mlx: error: {text}\n".encode())
-        _drain([p.sock for p in others], time.monotonic() + DRAIN_SECONDS)
-        os._exit(EXIT_STATUS)
+            others = [p for p in self.peers if not p.gone] if self.rank == 0 else []
+            for peer in others:
+                self._send(peer, f"lost {text}")
+            for write in (sys.stdout.flush, lambda: os.write(2, f"kimi-mlx: error: {text}\n".encode())):
+                try:
+                    write()
+                except Exception:  # noqa: BLE001 - nowhere left to report it; the exit below is what matters
+                    pass
+            _drain([p.sock for p in others], time.monotonic() + DRAIN_SECONDS)
+        finally:
+            os._exit(EXIT_STATUS)
 
     # ------------------------------------------------------------------------------------------------ the end
 

@@ -21,6 +21,7 @@ import threading
 from contextlib import asynccontextmanager
 from typing import Callable, Optional, Union
 
+import mlx.core as mx
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
@@ -102,6 +103,9 @@ def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, 
             log.error(f"loading failed: {state.load_error}")
             if on_load_error is not None:
                 on_load_error(e)
+        finally:
+            mx.synchronize()
+            mx.clear_streams()  # this thread's MLX streams (the weights it loaded are evaluated: they stay)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

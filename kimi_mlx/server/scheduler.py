@@ -290,9 +290,18 @@ class Scheduler:
 
     def start(self) -> "Scheduler":
         """Run the engine loop on a thread (rank 0); see ``serve`` for the other ranks."""
-        self._thread = threading.Thread(target=self.serve, name="kimi-mlx-engine", daemon=True)
+        self._thread = threading.Thread(target=self._serve_thread, name="kimi-mlx-engine", daemon=True)
         self._thread.start()
         return self
+
+    def _serve_thread(self) -> None:
+        try:
+            self.serve()
+        finally:
+            # MLX's streams belong to the thread that made them: a thread must release its own before it ends, or
+            # tearing them down at interpreter exit can abort the process
+            mx.synchronize()
+            mx.clear_streams()
 
     def stop(self) -> None:
         """Finish serving: requests in flight end with an "error" event; every rank's loop returns."""
