@@ -572,7 +572,8 @@ class HybridCache(list):
         return self[0].offset if self else 0
 
     def checkpoint(self) -> CacheCheckpoint:
-        """Snapshot the KDA states (evaluated, so the snapshot holds no graph) and the offset; returns the checkpoint."""
+        """Keep every layer's ``checkpoint()`` (the KDA states, evaluated so that it holds no graph) and the offset;
+        returns the checkpoint."""
         offsets = {c.offset for c in self}
         if len(offsets) > 1:
             raise CheckpointError(f"cache layers disagree on the offset ({sorted(offsets)}); cannot checkpoint")

@@ -231,6 +231,12 @@ BUGS: tuple[PlantedBug, ...] = (
           "            for c in self.cache:\n                c.offset = len(self.tokens)\n"),),
         ("tests/test_chat_session.py::test_ctrl_c_inside_a_model_call",),
     ),
+    PlantedBug(
+        "cache trim drops the latent positions but leaves the KDA conv and recurrent states where they were",
+        (("kimi_mlx/cache.py", "        self.restore(cp)\n        return n\n",
+          "        for c in self:\n            c.trim(n)\n            c.offset = target\n        return n\n"),),
+        ("tests/test_cache_trim.py::test_trim_equals_the_cache_fed_fewer_tokens",),
+    ),
     # -- chat formats against the official templates, tool-call ids (issue 20 item 2)
     PlantedBug(
         "chat: the reply parser lets a RecursionError out of deeply nested tool-call JSON",
