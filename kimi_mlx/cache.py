@@ -23,7 +23,13 @@ cannot be trimmed, so ``cache.checkpoint()`` snapshots every KDA layer's conv + 
     cache.restore(cp)                     # back to "after the prompt": decode another reply
 
 Restoring drops the checkpoints taken after ``cp`` (the MLA positions they cover are overwritten by what comes next);
-only the last ``max_checkpoints`` are kept (older ones are released and cannot be restored).
+only the last ``max_checkpoints`` are kept (older ones are released and cannot be restored). ``cache.trim(n)`` drops
+the last n tokens the same way: it restores the checkpoint taken at ``offset - n``, so a caller that may roll back
+takes a checkpoint there first (mlx-lm's ``trim_prompt_cache`` asks the layers, and a KDA layer is not trimmable).
+
+Each layer cache implements what ``HybridCache`` does with it: ``checkpoint`` / ``restore``, ``snapshot`` (one row's
+entry of a ``CacheSnapshot``) / ``load_snapshot``, ``filter`` (keep rows), ``merge`` (stack several caches' layers),
+``depend_on`` and mlx-lm's ``trim``.
 
 ``make_cache(..., kv_bits=8 or 4, kv_group_size=32/64/128)`` gives MLA layers a ``QuantizedMLALatentCache``: each
 latent part (``kv_latent``, ``k_pe``) stored as ``mx.quantize`` lays it out (affine: uint32-packed codes, one scale
@@ -62,6 +68,13 @@ import mlx.core as mx
 
 
 class _LayerCache:
+    """What every layer cache has: ``offset``, ``left_padding`` and the padding mask. Each kind implements
+    ``checkpoint`` / ``restore`` (roll back to a checkpoint), ``snapshot`` / ``load_snapshot`` (one row out, into a
+    fresh cache), ``filter`` (keep rows), ``merge`` (stack caches' rows), ``depend_on``, and mlx-lm's ``trim``."""
+
+    is_kda = False  # a KDA layer's cache (``CacheSnapshot.kda_layers``)
+    quant: Optional[tuple[int, int]] = None  # (kv_bits, kv_group_size) of a quantized latent; None: float or none
+
     def __init__(self, left_padding: Optional[mx.array] = None):
         self.offset = 0
         self.left_padding = left_padding
@@ -212,9 +225,9 @@ class MLALatentCache(_LayerCache):
         """(kv_bits, kv_group_size) of a quantized cache, None for a float one."""
         return None if self.kv_bits is None else (self.kv_bits, self.kv_group_size)
 
-    def empty_like(self) -> "MLALatentCache":
-        """An empty cache of the same kind (and quantization) with this cache's left padding."""
-        return MLALatentCache(self.left_padding)
+    def empty_like(self, left_padding: Optional[mx.array]) -> "MLALatentCache":
+        """An empty cache of the same kind (and quantization) with ``left_padding``."""
+        return MLALatentCache(left_padding)
 
     def _encode(self, x: mx.array):
         """A new ``[B, 1, T, w]`` part as stored (float here)."""
@@ -259,7 +272,8 @@ class MLALatentCache(_LayerCache):
         self.offset = N
 
     def depend_on(self, x: mx.array) -> None:
-        """Make the last page depend on ``x``: evaluating the cache then evaluates ``x`` too."""
+        """Make the last page depend on ``x``: evaluating the cache then evaluates ``x`` too (a pipeline stage's
+        communication runs when the cache is evaluated)."""
         page = self.pages[-1]
         self.pages[-1] = page.with_arrays(mx.depends(page.arrays, [x]))
 
@@ -272,8 +286,8 @@ class MLALatentCache(_LayerCache):
         return True
 
     def trim(self, n: int) -> int:
-        """Forget the last ``n`` positions; pages past the new end are released (the next write goes into the page
-        that holds it, copied first if someone else holds it)."""
+        """Forget the last ``n`` positions (mlx-lm's protocol; returns how many were dropped); pages past the new end
+        are released (the next write goes into the page that holds it, copied first if someone else holds it)."""
         n = min(self.offset, n)
         self.offset -= n
         del self.pages[-(-self.offset // self.page_size) :]
@@ -302,6 +316,50 @@ class MLALatentCache(_LayerCache):
         origin = self.origins[row] if self.origins else ()
         rows = None if self.pages[0].rows == 1 else mx.array([row])
         return list(origin) + _repage(self, pad + len(origin) * self.page_size, self.offset, rows)
+
+    def checkpoint(self) -> None:
+        """What a ``CacheCheckpoint`` keeps of this layer: nothing (``restore`` trims the positions written since)."""
+        return None
+
+    def restore(self, state: None, offset: int) -> None:
+        """Roll back to a checkpoint taken at ``offset`` tokens (``state``: this layer's ``checkpoint()``, None):
+        the latent trimmed to ``offset`` positions."""
+        self.trim(self.offset - offset)
+
+    def snapshot(self, row: int, pad: int) -> tuple[LatentPage, ...]:
+        """Row ``row``'s positions [pad, offset) as one-row pages from position ``pad`` (see ``row_pages``), ``()``
+        when there are none: this layer's entry of a ``CacheSnapshot``."""
+        return tuple(self.row_pages(row, pad)) if self.pages and self.offset > pad else ()
+
+    def load_snapshot(self, pages: tuple[LatentPage, ...], offset: int) -> None:
+        """Hold a snapshot's ``pages`` (shared: this cache's writes make new pages) as positions [0, offset)."""
+        self.pages, self.offset = list(pages), offset
+
+    def filter(self, rows: list[int], drop: int, left_padding: Optional[mx.array]) -> None:
+        """Keep ``rows`` of the batch (in that order) from position ``drop`` on (padding every kept row has), with
+        ``left_padding``. The kept rows' positions are copied into new pages, but for all rows in order with nothing
+        to drop (shared) and one row (the pages it had before a merge, ``origins``, shared)."""
+        if self.pages and len(rows) == 1:
+            self.pages, self.origins = self.row_pages(rows[0], drop), None
+        elif self.pages and (rows != list(range(self.pages[0].rows)) or drop):
+            self.pages = _repage(self, drop, self.offset, mx.array(rows))
+            self.origins = [self.origins[r] for r in rows] if self.origins else None
+        self.offset -= drop
+        self.left_padding = left_padding
+
+    def merge(self, parts: list["MLALatentCache"], rows: list[int], keep_row_pages: bool) -> None:
+        """Become the batch of ``parts`` (this cache empty, with the batch's left padding; ``rows``: each part's
+        row count) at their largest offset, a shorter part's rows behind zero positions. One part: its pages are
+        shared. Several: every row is copied into batch pages; ``keep_row_pages`` also keeps each one-row part's
+        full pages (``origins``)."""
+        offsets = [p.offset for p in parts]
+        if len(parts) == 1:
+            self.pages, self.origins = list(parts[0].pages), parts[0].origins
+        elif max(offsets) > 0:
+            self.pages = _batch_pages(parts, offsets, rows)
+            if keep_row_pages:
+                self.origins = [o for p, n in zip(parts, rows) for o in _origins(p, n)]
+        self.offset = max(offsets)
 
 
 def _columns(cache: MLALatentCache, a: int, b: int, rows: Optional[mx.array]) -> tuple:
@@ -337,8 +395,8 @@ class QuantizedMLALatentCache(MLALatentCache):
         super().__init__(left_padding)
         self.kv_bits, self.kv_group_size = bits, group_size
 
-    def empty_like(self) -> "QuantizedMLALatentCache":
-        return QuantizedMLALatentCache(self.left_padding, bits=self.kv_bits, group_size=self.kv_group_size)
+    def empty_like(self, left_padding: Optional[mx.array]) -> "QuantizedMLALatentCache":
+        return QuantizedMLALatentCache(left_padding, bits=self.kv_bits, group_size=self.kv_group_size)
 
     def _encode(self, x: mx.array):
         if x.shape[-1] % self.kv_group_size:
@@ -357,16 +415,24 @@ def _new_mla(quant: Optional[tuple[int, int]], left_padding: Optional[mx.array])
     return QuantizedMLALatentCache(left_padding, bits=quant[0], group_size=quant[1])
 
 
+def _new_layer(is_kda: bool, quant: Optional[tuple[int, int]], left_padding: Optional[mx.array]) -> _LayerCache:
+    """An empty layer cache: a ``KDACache`` for a KDA layer, else the latent cache of ``quant`` (None: float)."""
+    return KDACache(left_padding) if is_kda else _new_mla(quant, left_padding)
+
+
 class KDACache(_LayerCache):
-    """Short-conv state and recurrent state of one KDA layer (cannot be trimmed: it is a running summary)."""
+    """Short-conv state and recurrent state of one KDA layer. A running summary: it cannot drop tokens by itself
+    (mlx-lm's ``is_trimmable`` is False), it is rolled back to a ``checkpoint()`` by ``restore``."""
+
+    is_kda = True
 
     def __init__(self, left_padding: Optional[mx.array] = None):
         super().__init__(left_padding)
         self.conv_state: Optional[mx.array] = None
         self.recurrent_state: Optional[mx.array] = None
 
-    def empty_like(self) -> "KDACache":
-        return KDACache(self.left_padding)
+    def empty_like(self, left_padding: Optional[mx.array]) -> "KDACache":
+        return KDACache(left_padding)
 
     def advance(self, n: int) -> None:
         self.offset += n
@@ -383,17 +449,55 @@ class KDACache(_LayerCache):
         return False
 
     def trim(self, n: int) -> int:
+        """mlx-lm's protocol: drops nothing (``HybridCache.trim`` rolls the state back through a checkpoint)."""
         return 0
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state)
 
+    def checkpoint(self) -> tuple:
+        """What a ``CacheCheckpoint`` keeps of this layer: ``(conv_state, recurrent_state)`` (None while empty), the
+        arrays themselves (they are replaced, never written in place)."""
+        return self.conv_state, self.recurrent_state
 
+    def restore(self, state: tuple, offset: int) -> None:
+        """Roll back to a checkpoint taken at ``offset`` tokens (``state``: this layer's ``checkpoint()`` then)."""
+        self.conv_state, self.recurrent_state = state
+        self.offset = offset
+
+    def snapshot(self, row: int, pad: int) -> tuple:
+        """Row ``row``'s ``(conv_state [1, K-1, C], recurrent_state [1, H, Dv, Dk])`` (``(None, None)`` while empty):
+        this layer's entry of a ``CacheSnapshot``. A one-row cache's arrays are shared, a batch row's copied; ``pad``
+        does not matter (the state summarises the real tokens only)."""
+        return tuple(a if a is None or a.shape[0] == 1 else _copy(a[row : row + 1]) for a in self.checkpoint())
+
+    def load_snapshot(self, state: tuple, offset: int) -> None:
+        """Hold a snapshot's ``state`` (shared) as the state after ``offset`` tokens."""
+        self.restore(state, offset)
+
+    def filter(self, rows: list[int], drop: int, left_padding: Optional[mx.array]) -> None:
+        """Keep ``rows`` of the batch (in that order) and forget ``drop`` leading positions, with ``left_padding``."""
+        idx = mx.array(rows)
+        self.conv_state, self.recurrent_state = (None if a is None else a[idx] for a in self.checkpoint())
+        self.offset -= drop
+        self.left_padding = left_padding
+
+    def merge(self, parts: list["KDACache"], rows: list[int], keep_row_pages: bool) -> None:
+        """Become the batch of ``parts`` (this cache empty, with the batch's left padding; ``rows``: each part's
+        row count): their states stacked, an empty part's as zeros (where a KDA layer starts from)."""
+        self.conv_state = _stack([p.conv_state for p in parts], rows)
+        self.recurrent_state = _stack([p.recurrent_state for p in parts], rows)
+        self.offset = max(p.offset for p in parts)
+
+    def depend_on(self, x: mx.array) -> None:
+        """Make the recurrent state depend on ``x``: evaluating the cache then evaluates ``x`` too."""
+        self.recurrent_state = mx.depends(self.recurrent_state, x)
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be restored into this cache (released, from another cache, or ahead of it)."""
+    """A checkpoint that cannot be restored into this cache (released, from another cache, or ahead of it), or a
+    ``trim`` with no checkpoint to go back to."""
 
 
 @dataclass(frozen=True)
@@ -433,10 +537,7 @@ class CacheSnapshot:
     def holders(self) -> list:
         """What holds this snapshot's memory, each once: its latent pages (which other snapshots and caches may
         hold too: the same objects) and its KDA state arrays; each has ``nbytes``."""
-        out = []
-        for is_kda, state in zip(self.kda_layers, self.states):
-            out += [a for a in state if a is not None] if is_kda else list(state)
-        return out
+        return [h for state in self.states for h in state if h is not None]
 
     @property
     def nbytes(self) -> int:
@@ -447,9 +548,13 @@ _cache_ids = itertools.count()
 
 
 class HybridCache(list):
-    """Per-layer caches of one model (a ``list``, as mlx-lm expects) with ``checkpoint()`` / ``restore(cp)``.
+    """Per-layer caches of one model (a ``list``, as mlx-lm expects) with ``checkpoint()`` / ``restore(cp)`` and
+    ``trim(n)`` (back to the checkpoint n tokens before the end).
 
     max_checkpoints: how many checkpoints are kept; taking one more releases the oldest.
+
+    mlx-lm's ``can_trim_prompt_cache`` asks each layer: a KDA layer is not trimmable, so mlx-lm's own trimming
+    (``trim_prompt_cache``, its speculative decoding) sees a cache it cannot trim; ``trim`` is this cache's way.
     """
 
     def __init__(self, layers: list[_LayerCache], max_checkpoints: int = 8):
@@ -467,13 +572,12 @@ class HybridCache(list):
         return self[0].offset if self else 0
 
     def checkpoint(self) -> CacheCheckpoint:
-        """Snapshot the KDA states (evaluated, so the snapshot holds no graph) and the offset; returns the checkpoint."""
+        """Keep every layer's ``checkpoint()`` (the KDA states, evaluated so that it holds no graph) and the offset;
+        returns the checkpoint."""
         offsets = {c.offset for c in self}
         if len(offsets) > 1:
             raise CheckpointError(f"cache layers disagree on the offset ({sorted(offsets)}); cannot checkpoint")
-        states = tuple(
-            (c.conv_state, c.recurrent_state) if isinstance(c, KDACache) else None for c in self
-        )
+        states = tuple(c.checkpoint() for c in self)
         mx.eval([a for s in states if s for a in s if a is not None])
         cp = CacheCheckpoint(self._id, next(self._serial), self.offset, states)
         self.checkpoints.append(cp)
@@ -494,13 +598,26 @@ class HybridCache(list):
             )
         if cp.offset > self.offset:
             raise CheckpointError(f"checkpoint at offset {cp.offset} is ahead of the cache (offset {self.offset})")
-        for c, snap in zip(self, cp.kda_states):
-            if snap is None:
-                c.trim(c.offset - cp.offset)
-            else:
-                c.conv_state, c.recurrent_state = snap
-                c.offset = cp.offset
+        for c, state in zip(self, cp.kda_states):
+            c.restore(state, cp.offset)
         self.checkpoints = [k for k in self.checkpoints if k.serial <= cp.serial]
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens (0 <= n <= offset): ``restore`` the latest kept checkpoint taken at offset − n
+        (the MLA latents trimmed, the KDA conv and recurrent states set back); returns ``n``. Needs that checkpoint
+        (``checkpoint()`` at that position, still kept): without one, raises ``CheckpointError`` naming the offsets
+        of the checkpoints there are. ``n`` = 0 changes nothing."""
+        if not 0 <= n <= self.offset:
+            raise ValueError(f"cannot trim {n} tokens from a cache of {self.offset}")
+        if n == 0:
+            return 0
+        target = self.offset - n
+        cp = next((k for k in reversed(self.checkpoints) if k.offset == target), None)
+        if cp is None:
+            raise CheckpointError(f"no checkpoint at offset {target} to trim {n} of {self.offset} tokens (checkpoints "
+                                  f"at offsets {[k.offset for k in self.checkpoints]})")
+        self.restore(cp)
+        return n
 
     def snapshot(self, row: int = 0) -> CacheSnapshot:
         """Row ``row`` of this (possibly left-padded) batch cache as a ``CacheSnapshot``, its padding dropped.
@@ -514,15 +631,8 @@ class HybridCache(list):
             raise IndexError(f"row {row} out of range for a cache of {rows} rows")
         pad = int(self[0].left_padding[row].item()) if self[0].left_padding is not None else 0
         pad = min(pad, offset)
-        states = []
-        for c in self:
-            if isinstance(c, KDACache):
-                # one row's KDA state is the whole array (never written in place): shared, not copied
-                pair = (c.conv_state, c.recurrent_state)
-                states.append(tuple(a if a is None or rows == 1 else _copy(a[row : row + 1]) for a in pair))
-            else:
-                states.append(tuple(c.row_pages(row, pad)) if c.pages and offset > pad else ())
-        snap = CacheSnapshot(offset - pad, tuple(isinstance(c, KDACache) for c in self), tuple(states), _kv_quant(self))
+        states = tuple(c.snapshot(row, pad) for c in self)
+        snap = CacheSnapshot(offset - pad, tuple(c.is_kda for c in self), states, _kv_quant(self))
         mx.eval([a for h in snap.holders() for a in (h.arrays if isinstance(h, LatentPage) else [h])])
         return snap
 
@@ -537,29 +647,19 @@ class HybridCache(list):
         if not rows or any(not 0 <= r < n for r in rows):
             raise IndexError(f"rows {rows} must be a non-empty list of rows of a cache of {n} rows")
         offset = _common_offset(self, "filter")
-        idx = mx.array(rows)
         pad = self[0].left_padding
-        kept = [int(p) for p in pad[idx].tolist()] if pad is not None else [0] * len(rows)
+        kept = [int(p) for p in pad[mx.array(rows)].tolist()] if pad is not None else [0] * len(rows)
         drop = min(min(kept), offset)
         left_padding = _padding([p - drop for p in kept])
         for c in self:
-            if isinstance(c, KDACache):
-                pair = (c.conv_state, c.recurrent_state)
-                c.conv_state, c.recurrent_state = (None if a is None else a[idx] for a in pair)
-            elif c.pages and len(rows) == 1:
-                c.pages, c.origins = c.row_pages(rows[0], drop), None
-            elif c.pages and (rows != list(range(n)) or drop):
-                c.pages = _repage(c, drop, offset, idx)
-                c.origins = [c.origins[r] for r in rows] if c.origins else None
-            c.offset = offset - drop
-            c.left_padding = left_padding
+            c.filter(rows, drop, left_padding)
         mx.eval([c.state for c in self])
         self.checkpoints = []
 
     def reset(self) -> None:
         """Empty every layer and drop all checkpoints."""
         for i, c in enumerate(self):
-            self[i] = c.empty_like()
+            self[i] = c.empty_like(c.left_padding)
         self.checkpoints = []
 
     @property
@@ -588,8 +688,7 @@ def make_cache(
     pad = None
     if left_padding is not None and any(p > 0 for p in left_padding):
         pad = mx.array(left_padding, dtype=mx.int32)
-    layers = [KDACache(pad) if is_kda else _new_mla(quant, pad) for is_kda in kda_layers]
-    return HybridCache(layers, max_checkpoints)
+    return HybridCache([_new_layer(is_kda, quant, pad) for is_kda in kda_layers], max_checkpoints)
 
 
 def cache_from_snapshot(snap: CacheSnapshot, max_checkpoints: int = 8) -> HybridCache:
@@ -597,12 +696,8 @@ def cache_from_snapshot(snap: CacheSnapshot, max_checkpoints: int = 8) -> Hybrid
     are the snapshot's (shared: the cache's writes make new pages)."""
     layers = []
     for is_kda, state in zip(snap.kda_layers, snap.states):
-        c = KDACache() if is_kda else _new_mla(snap.kv_quant, None)
-        if is_kda:
-            c.conv_state, c.recurrent_state = state
-        else:
-            c.pages = list(state)
-        c.offset = snap.offset
+        c = _new_layer(is_kda, snap.kv_quant, None)
+        c.load_snapshot(state, snap.offset)
         layers.append(c)
     return HybridCache(layers, max_checkpoints)
 
@@ -619,13 +714,12 @@ def merge_caches(caches: list[HybridCache], keep_row_pages: bool = False) -> Hyb
     """
     if not caches:
         raise ValueError("merge_caches needs at least one cache")
-    kinds = [tuple(isinstance(c, KDACache) for c in cache) for cache in caches]
+    kinds = [tuple(c.is_kda for c in cache) for cache in caches]
     if len(set(kinds)) > 1:
         raise ValueError("cannot merge caches of different layer layouts")
     quants = {_kv_quant(cache) for cache in caches}
     if len(quants) > 1:
         raise ValueError(f"cannot merge caches of different latent-cache quantizations ({_quant_names(quants)})")
-    quant = quants.pop()
     offsets = [_common_offset(cache, "merge") for cache in caches]
     offset = max(offsets)
     sizes = [_rows(cache) for cache in caches]
@@ -635,19 +729,9 @@ def merge_caches(caches: list[HybridCache], keep_row_pages: bool = False) -> Hyb
         pads += [p + offset - o for p in own]
     left_padding = _padding(pads)
     layers = []
-    for i, is_kda in enumerate(kinds[0]):
-        parts = [cache[i] for cache in caches]
-        c = KDACache(left_padding) if is_kda else _new_mla(quant, left_padding)
-        if is_kda:
-            c.conv_state = _stack([p.conv_state for p in parts], sizes)
-            c.recurrent_state = _stack([p.recurrent_state for p in parts], sizes)
-        elif len(parts) == 1:
-            c.pages, c.origins = list(parts[0].pages), parts[0].origins
-        elif offset > 0:
-            c.pages = _batch_pages(parts, offsets, sizes)
-            if keep_row_pages:
-                c.origins = [o for p, n in zip(parts, sizes) for o in _origins(p, n)]
-        c.offset = offset
+    for parts in zip(*caches):
+        c = parts[0].empty_like(left_padding)
+        c.merge(list(parts), sizes, keep_row_pages)
         layers.append(c)
     merged = HybridCache(layers, caches[0].max_checkpoints)
     mx.eval([c.state for c in merged])
@@ -683,7 +767,7 @@ def _origins(cache: MLALatentCache, rows: int) -> list[tuple[LatentPage, ...]]:
 
 
 def _kv_quant(cache: HybridCache) -> Optional[tuple[int, int]]:
-    return next((c.quant for c in cache if isinstance(c, MLALatentCache)), None)
+    return next((c.quant for c in cache if c.quant is not None), None)
 
 
 def _quant_names(quants) -> str:

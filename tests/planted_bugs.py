@@ -203,19 +203,19 @@ BUGS: tuple[PlantedBug, ...] = (
     # -- cache contents after undo / interrupt / system change / regenerate (item 4)
     PlantedBug(
         "checkpoint restore keeps a stale KDA conv state",
-        (("kimi_mlx/cache.py", "c.conv_state, c.recurrent_state = snap", "c.recurrent_state = snap[1]"),),
+        (("kimi_mlx/cache.py", "self.conv_state, self.recurrent_state = state", "self.recurrent_state = state[1]"),),
         ("tests/test_chat_session.py::test_undo_rolls_back_to_the_previous_reply",
          "tests/test_chat_session.py::test_ctrl_c_inside_a_model_call"),
     ),
     PlantedBug(
         "checkpoint restore keeps a stale KDA recurrent state",
-        (("kimi_mlx/cache.py", "c.conv_state, c.recurrent_state = snap", "c.conv_state = snap[0]"),),
+        (("kimi_mlx/cache.py", "self.conv_state, self.recurrent_state = state", "self.conv_state = state[0]"),),
         ("tests/test_chat_session.py::test_undo_rolls_back_to_the_previous_reply",
          "tests/test_chat_session.py::test_ctrl_c_inside_a_model_call"),
     ),
     PlantedBug(
         "checkpoint restore trims the MLA latent cache one position short",
-        (("kimi_mlx/cache.py", "c.trim(c.offset - cp.offset)", "c.trim(c.offset - cp.offset - 1)"),),
+        (("kimi_mlx/cache.py", "self.trim(self.offset - offset)", "self.trim(self.offset - offset - 1)"),),
         ("tests/test_chat_session.py::test_ctrl_c_inside_a_model_call",
          "tests/test_chat_session.py::test_undo_rolls_back_to_the_previous_reply"),
     ),
@@ -230,6 +230,12 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/chat/session.py", "            self._roll_back(len(self.tokens))\n",
           "            for c in self.cache:\n                c.offset = len(self.tokens)\n"),),
         ("tests/test_chat_session.py::test_ctrl_c_inside_a_model_call",),
+    ),
+    PlantedBug(
+        "cache trim drops the latent positions but leaves the KDA conv and recurrent states where they were",
+        (("kimi_mlx/cache.py", "        self.restore(cp)\n        return n\n",
+          "        for c in self:\n            c.trim(n)\n            c.offset = target\n        return n\n"),),
+        ("tests/test_cache_trim.py::test_trim_equals_the_cache_fed_fewer_tokens",),
     ),
     # -- chat formats against the official templates, tool-call ids (issue 20 item 2)
     PlantedBug(

@@ -32,7 +32,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..cache import KDACache
 from ..models.kimi_k3 import K3TextModel, Snapshots
 from ..models.kimi_linear import KimiLinearModel, Model, layer_masks
 from ..ops.attn_res import inv_rms
@@ -175,7 +174,7 @@ class PipelineStage(KimiLinearModel):
             share = mx.depends(mx.zeros(h.shape, dtype), self._send(h.astype(dtype), blocks))
         shared = comm.all_sum(share, stages.group)
         if cache:
-            _depend_on(cache[-1], shared)
+            cache[-1].depend_on(shared)  # evaluating the cache (a chunked prefill) runs the communication
         _LOCKSTEP.previous = shared
         return self.norm(shared)
 
@@ -192,15 +191,6 @@ class PipelineStage(KimiLinearModel):
         """Send h [B, T, hidden] (after the snapshots [K, B, T, hidden] with AttnRes) to the next rank."""
         msg = h if blocks is None else mx.concatenate([blocks.raw.astype(h.dtype), h[None]])
         return comm.send(msg, self.stages.rank + 1, self.stages.group)
-
-
-def _depend_on(layer_cache, x: mx.array) -> None:
-    """Make a layer cache's state depend on ``x``: evaluating the cache (as a chunked prefill does) then runs all of
-    the forward's communication too."""
-    if isinstance(layer_cache, KDACache):
-        layer_cache.recurrent_state = mx.depends(layer_cache.recurrent_state, x)
-    else:
-        layer_cache.depend_on(x)
 
 
 class _Lockstep:
