@@ -1,4 +1,4 @@
-"""MLA attention over a long cache: today's fused path vs the blockwise forms (ops/mla_attention.py).
+"""MLA attention over a long cache: the fused path vs the blockwise forms (ops/mla_paths.py).
 
 For T queries (decode T=1 up to a 2048-token prefill chunk) against S cached keys, prints the median time of
 - fused:     one ``mx.fast.scaled_dot_product_attention`` over the whole cache (absorbed for T=1, expanded per head

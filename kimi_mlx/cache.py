@@ -32,8 +32,9 @@ entry of a ``CacheSnapshot``) / ``load_snapshot``, ``filter`` (keep rows), ``mer
 ``depend_on`` and mlx-lm's ``trim``.
 
 ``make_cache(..., kv_bits=8 or 4, kv_group_size=32/64/128)`` gives MLA layers a ``QuantizedMLALatentCache``: each
-latent part (``kv_latent``, ``k_pe``) stored as ``mx.quantize`` lays it out (affine: uint32-packed codes, one scale
-and one bias per group in the model dtype), a part whose width the group does not divide stays float; what
+latent part (``kv_latent``, ``k_pe``) stored as a ``QuantizedLatent`` (``ops/latent.py``: ``mx.quantize``'s affine
+layout, uint32-packed codes, one scale and one bias per group in the model dtype, with its bits and group size), a
+part whose width the group does not divide stays float; attention reads the parts as stored. That layout is what
 ``parallel.plan.cache_bytes(..., kv_bits, kv_group_size)`` counts. ``MLALatentCache.to_quantized`` converts a float
 cache (mlx-lm's ``maybe_quantize_kv_cache`` calls it: ``quantized_kv_start``).
 
@@ -62,9 +63,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import mlx.core as mx
+
+from .ops import latent
+from .ops.latent import Latent
 
 
 class _LayerCache:
@@ -114,58 +118,28 @@ def check_kv_quant(kv_bits: Optional[int], kv_group_size: int) -> None:
 
 PAGE_SIZE = 4096  # positions per latent page (bench/bench_long_context.py, bench/bench_mla_attention.py: the choice)
 
-Part = Union[mx.array, tuple]  # a latent part as stored: a float array, or mx.quantize's (codes, scales, biases)
-
-
-def _map(part, fn):
-    """Apply ``fn`` to a latent part: one float array, or the (codes, scales, biases) triple of a quantized one."""
-    if part is None:
-        return None
-    return tuple(fn(a) for a in part) if isinstance(part, tuple) else fn(part)
-
-
-def _zip_map(part, other, fn):
-    """``fn(a, b)`` over the arrays of two latent parts of the same layout."""
-    return tuple(fn(a, b) for a, b in zip(part, other)) if isinstance(part, tuple) else fn(part, other)
-
-
-def _arrays(part) -> list[mx.array]:
-    return [] if part is None else list(part) if isinstance(part, tuple) else [part]
-
-
-def _width(part) -> int:
-    """Number of positions (axis 2) of a part."""
-    return (part[0] if isinstance(part, tuple) else part).shape[2]
-
-
-def _cat(parts: list, axis: int):
-    """Latent parts (float arrays or quantized triples) concatenated along ``axis`` (one part: itself)."""
-    if isinstance(parts[0], tuple):
-        return tuple(_cat([p[k] for p in parts], axis) for k in range(3))
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
-
 
 @dataclass(frozen=True, eq=False)
 class LatentPage:
     """Consecutive positions of one MLA layer's latent cache: ``kv_latent [B, 1, n, r]`` and ``k_pe [B, 1, n, dr]``
-    as stored (each a (codes, scales, biases) triple when quantized). ``n`` is ``PAGE_SIZE``, or less for the short
-    last page a snapshot or a file ends with. Never modified: writing gives a new page (``written``), and caches and
-    snapshots hold pages by reference, so a shared page is one object (``is``) and one buffer."""
+    as stored (each a float array or a ``QuantizedLatent``, ``ops/latent.py``). ``n`` is ``PAGE_SIZE``, or less for
+    the short last page a snapshot or a file ends with. Never modified: writing gives a new page (``written``), and
+    caches and snapshots hold pages by reference, so a shared page is one object (``is``) and one buffer."""
 
-    kv_latent: Part
-    k_pe: Part
+    kv_latent: Latent
+    k_pe: Latent
 
     @property
     def size(self) -> int:
-        return _width(self.kv_latent)
+        return latent.width(self.kv_latent)
 
     @property
     def rows(self) -> int:
-        return _arrays(self.kv_latent)[0].shape[0]
+        return latent.rows(self.kv_latent)
 
     @property
     def arrays(self) -> list[mx.array]:
-        return _arrays(self.kv_latent) + _arrays(self.k_pe)
+        return [*latent.arrays(self.kv_latent), *latent.arrays(self.k_pe)]
 
     @property
     def nbytes(self) -> int:
@@ -181,24 +155,22 @@ class LatentPage:
             x = x[:, :, a:b]
             return x if rows is None else x[rows]
 
-        return _map(self.kv_latent, cut), _map(self.k_pe, cut)
+        return latent.map_arrays(self.kv_latent, cut), latent.map_arrays(self.k_pe, cut)
 
     def written(self, at: int, parts: tuple) -> "LatentPage":
         """This page with ``parts`` ((kv_latent, k_pe) ``[B, 1, m, ·]`` as stored) written at position ``at``, as a
         new page. MLX writes the buffer in place when this page has no other holder, and copies it otherwise."""
-        start = mx.array([at])
-        return LatentPage(*(_zip_map(mine, new, lambda x, y: mx.slice_update(x, y, start, (2,)))
-                            for mine, new in zip((self.kv_latent, self.k_pe), parts)))
+        return LatentPage(*(latent.write(mine, new, at) for mine, new in zip((self.kv_latent, self.k_pe), parts)))
 
     def with_arrays(self, arrays: list[mx.array]) -> "LatentPage":
         """A page of the same layout made of ``arrays`` (in the order of ``arrays``)."""
         flat = iter(arrays)
-        return LatentPage(*(_map(p, lambda _: next(flat)) for p in (self.kv_latent, self.k_pe)))
+        return LatentPage(*(latent.map_arrays(p, lambda _: next(flat)) for p in (self.kv_latent, self.k_pe)))
 
 
 def _blank(like: LatentPage, rows: int, size: int) -> tuple:
     """Zero parts (kv_latent, k_pe) ``[rows, 1, size, ·]`` in the layout of ``like``."""
-    return tuple(_map(p, lambda a: mx.zeros((rows, a.shape[1], size, *a.shape[3:]), a.dtype))
+    return tuple(latent.map_arrays(p, lambda a: mx.zeros((rows, a.shape[1], size, *a.shape[3:]), a.dtype))
                  for p in (like.kv_latent, like.k_pe))
 
 
@@ -222,14 +194,14 @@ class MLALatentCache(_LayerCache):
 
     @property
     def quant(self) -> Optional[tuple[int, int]]:
-        """(kv_bits, kv_group_size) of a quantized cache, None for a float one."""
+        """(kv_bits, kv_group_size) of a quantized cache, None for a float one (what snapshots and files record)."""
         return None if self.kv_bits is None else (self.kv_bits, self.kv_group_size)
 
     def empty_like(self, left_padding: Optional[mx.array]) -> "MLALatentCache":
         """An empty cache of the same kind (and quantization) with ``left_padding``."""
         return MLALatentCache(left_padding)
 
-    def _encode(self, x: mx.array):
+    def _encode(self, x: mx.array) -> Latent:
         """A new ``[B, 1, T, w]`` part as stored (float here)."""
         return x
 
@@ -246,7 +218,7 @@ class MLALatentCache(_LayerCache):
             page = self.pages[k]
             if page.size < at + m:  # a short last page (a snapshot's or a file's end): copied into a full page
                 page = LatentPage(*_blank(page, kv_latent.shape[0], P)).written(0, page.parts(0, page.size))
-            self.pages[k] = page.written(at, tuple(_map(p, lambda a: a[:, :, done : done + m]) for p in new))
+            self.pages[k] = page.written(at, tuple(latent.positions(p, done, done + m) for p in new))
             done += m
         self.offset += n
         return self.fetch()
@@ -261,13 +233,13 @@ class MLALatentCache(_LayerCache):
     def whole(self) -> tuple:
         """The filled positions as one (kv_latent, k_pe) pair ``[B, 1, offset, ·]`` as stored: the pages
         concatenated (a copy; prompt-cache files store this)."""
-        return tuple(_cat(parts, axis=2) for parts in self.fetch())
+        return tuple(latent.concatenate(parts, axis=2) for parts in self.fetch())
 
-    def load(self, kv_latent: Part, k_pe: Part) -> None:
+    def load(self, kv_latent: Latent, k_pe: Latent) -> None:
         """Hold ``[B, 1, N, ·]`` parts as stored (e.g. read from a file) as this cache's N positions: the pages are
         views of them (no copy; a short last page is copied into a full one at the next write)."""
-        P, N = self.page_size, _width(kv_latent)
-        self.pages = [LatentPage(*(_map(p, lambda a: a[:, :, s : s + P]) for p in (kv_latent, k_pe)))
+        P, N = self.page_size, latent.width(kv_latent)
+        self.pages = [LatentPage(*(latent.positions(p, s, min(s + P, N)) for p in (kv_latent, k_pe)))
                       for s in range(0, N, P)]
         self.offset = N
 
@@ -280,7 +252,7 @@ class MLALatentCache(_LayerCache):
     @property
     def state(self) -> list[mx.array]:
         """Every filled array, page by page (a quantized part contributes codes, scales, biases)."""
-        return [a for parts in zip(*self.fetch()) for p in parts for a in _arrays(p)]
+        return [a for parts in zip(*self.fetch()) for p in parts for a in latent.arrays(p)]
 
     def is_trimmable(self) -> bool:
         return True
@@ -368,7 +340,7 @@ def _columns(cache: MLALatentCache, a: int, b: int, rows: Optional[mx.array]) ->
     P, pieces = cache.page_size, []
     for k in range(a // P, -(-b // P)):
         pieces.append(cache.pages[k].parts(max(a, k * P) - k * P, min(b, (k + 1) * P) - k * P, rows))
-    return tuple(_cat([p[j] for p in pieces], axis=2) for j in range(2))
+    return tuple(latent.concatenate([p[j] for p in pieces], axis=2) for j in range(2))
 
 
 def _repage(cache: MLALatentCache, a: int, b: int, rows: Optional[mx.array]) -> list[LatentPage]:
@@ -382,13 +354,13 @@ def _repage(cache: MLALatentCache, a: int, b: int, rows: Optional[mx.array]) -> 
         if rows is None and s % P == 0 and e - s == page.size:
             out.append(page)
         else:
-            out.append(LatentPage(*(_map(p, mx.contiguous) for p in _columns(cache, s, e, rows))))
+            out.append(LatentPage(*(latent.map_arrays(p, mx.contiguous) for p in _columns(cache, s, e, rows))))
     return out
 
 
 class QuantizedMLALatentCache(MLALatentCache):
     """``MLALatentCache`` holding each latent part as ``mx.quantize(part, group_size, bits)`` (affine), a part whose
-    width ``group_size`` does not divide in float; attention reads it as stored (``ops.mla_attention``, ``quant=``)."""
+    width ``group_size`` does not divide in float (``ops.latent.quantize``); attention reads it as stored."""
 
     def __init__(self, left_padding: Optional[mx.array] = None, *, bits: int = 8, group_size: int = 64):
         check_kv_quant(bits, group_size)
@@ -398,10 +370,8 @@ class QuantizedMLALatentCache(MLALatentCache):
     def empty_like(self, left_padding: Optional[mx.array]) -> "QuantizedMLALatentCache":
         return QuantizedMLALatentCache(left_padding, bits=self.kv_bits, group_size=self.kv_group_size)
 
-    def _encode(self, x: mx.array):
-        if x.shape[-1] % self.kv_group_size:
-            return x
-        return tuple(mx.quantize(x, group_size=self.kv_group_size, bits=self.kv_bits))
+    def _encode(self, x: mx.array) -> Latent:
+        return latent.quantize(x, self.kv_bits, self.kv_group_size)
 
     @property
     def to_quantized(self):
@@ -752,8 +722,8 @@ def _batch_pages(parts: list[MLALatentCache], offsets: list[int], sizes: list[in
             pieces = [_blank(like, n, min(hi, 0) - lo)] if lo < 0 else []
             if hi > 0:
                 pieces.append(_columns(p, max(lo, 0), hi, None))
-            stacked.append(tuple(_cat([q[j] for q in pieces], axis=2) for j in range(2)))
-        pages.append(LatentPage(*(_cat([q[j] for q in stacked], axis=0) for j in range(2))))
+            stacked.append(tuple(latent.concatenate([q[j] for q in pieces], axis=2) for j in range(2)))
+        pages.append(LatentPage(*(latent.concatenate([q[j] for q in stacked], axis=0) for j in range(2))))
     return pages
 
 

@@ -38,6 +38,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .cache import HybridCache, KDACache, MLALatentCache, check_kv_quant
+from .ops import latent
+from .ops.latent import QuantizedLatent
 
 FORMAT = "kimi-mlx-prompt-cache"
 FORMAT_VERSION = "1"
@@ -109,9 +111,8 @@ def save_prompt_cache(
                 arrays[f"layers.{i}.recurrent_state"] = c.recurrent_state
         elif c.offset:
             for name, part in zip(("kv_latent", "k_pe"), c.whole()):
-                if isinstance(part, tuple):
-                    part, arrays[f"layers.{i}.{name}.scales"], arrays[f"layers.{i}.{name}.biases"] = part
-                arrays[f"layers.{i}.{name}"] = part
+                for suffix, a in zip(("", ".scales", ".biases"), latent.arrays(part)):  # codes, scales, biases
+                    arrays[f"layers.{i}.{name}{suffix}"] = a
     if cache[0].left_padding is not None or any(a.shape[0] != 1 for k, a in arrays.items() if k != "tokens"):
         raise ValueError("a prompt-cache file holds one sequence; this cache is a batch")
     quant = cache.kv_quant
@@ -176,13 +177,13 @@ def _quant_name(quant: Optional[tuple[int, int]]) -> str:
 
 
 def _expect_part(source: str, arrays: dict, name: str, lead: tuple, width: int, quant: Optional[tuple[int, int]]):
-    """A latent part as stored: a float array, or (codes, scales, biases) when quantized and the group divides it."""
+    """A latent part as stored: a float array, or a ``QuantizedLatent`` when quantized and the group divides it."""
     if quant is None or width % quant[1]:
         return _expect(source, arrays, name, (*lead, width))
     bits, group = quant
-    return (_expect(source, arrays, name, (*lead, width * bits // 32)),
-            _expect(source, arrays, f"{name}.scales", (*lead, width // group)),
-            _expect(source, arrays, f"{name}.biases", (*lead, width // group)))
+    return QuantizedLatent(_expect(source, arrays, name, (*lead, width * bits // 32)),
+                           _expect(source, arrays, f"{name}.scales", (*lead, width // group)),
+                           _expect(source, arrays, f"{name}.biases", (*lead, width // group)), bits, group)
 
 
 def load_prompt_cache(

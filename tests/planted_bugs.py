@@ -399,8 +399,8 @@ BUGS: tuple[PlantedBug, ...] = (
     # -- server caches (issue 13)
     PlantedBug(
         "server cache: merge_caches puts a shorter cache's zero MLA latents after its positions, not in front",
-        (("kimi_mlx/cache.py", "stacked.append(tuple(_cat([q[j] for q in pieces], axis=2) for j in range(2)))",
-          "stacked.append(tuple(_cat([q[j] for q in pieces[::-1]], axis=2) for j in range(2)))"),),
+        (("kimi_mlx/cache.py", "stacked.append(tuple(latent.concatenate([q[j] for q in pieces], axis=2) for j in",
+          "stacked.append(tuple(latent.concatenate([q[j] for q in pieces[::-1]], axis=2) for j in"),),
         ("tests/test_cache_merge.py::test_merge_then_decode_matches_each_row_alone",),
     ),
     PlantedBug(
@@ -415,8 +415,8 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "latent cache: a page is written in place (a snapshot or cache sharing it sees the write)",
-        (("kimi_mlx/cache.py", "lambda x, y: mx.slice_update(x, y, start, (2,))",
-          "lambda x, y: x.__setitem__((slice(None), slice(None), slice(at, at + y.shape[2])), y) or x"),),
+        (("kimi_mlx/ops/latent.py", "[mx.slice_update(x, y, start, (2,)) for",
+          "[x.__setitem__((slice(None), slice(None), slice(at, at + y.shape[2])), y) or x for"),),
         ("tests/test_cache_merge.py::test_snapshot_is_independent_of_its_caches",
          "tests/test_cache_pages.py::test_snapshot_shares_full_pages_and_copies_the_partial_one"),
     ),
@@ -639,13 +639,13 @@ BUGS: tuple[PlantedBug, ...] = (
     PlantedBug(
         "latent cache: attention reads the pages concatenated (a copy of the cache at every step)",
         (("kimi_mlx/cache.py", "        return [s[0] for s in segments], [s[1] for s in segments]\n",
-          "        return [_cat([s[0] for s in segments], 2)], [_cat([s[1] for s in segments], 2)]\n"),),
+          "        return [latent.concatenate([s[0] for s in segments], 2)], [latent.concatenate([s[1] for s in segments], 2)]\n"),),
         ("tests/test_mla_blockwise.py::test_prefill_memory_independent_of_context",),
     ),
     PlantedBug(
         "latent cache: a snapshot copies the full pages it could share",
         (("kimi_mlx/cache.py", "            out.append(page)\n",
-          "            out.append(LatentPage(*(_map(p, mx.array) for p in (page.kv_latent, page.k_pe))))\n"),),
+          "            out.append(LatentPage(*(latent.map_arrays(p, mx.array) for p in (page.kv_latent, page.k_pe))))\n"),),
         ("tests/test_cache_pages.py::test_snapshot_shares_full_pages_and_copies_the_partial_one",
          "tests/test_cache_pages.py::test_prefix_cache_counts_shared_pages_once"),
     ),
@@ -677,7 +677,7 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "left-padded MLA mask hides each row's first real token",
-        (("kimi_mlx/ops/mla_attention.py", "real_key = k_pos[None, None, :] >= self.left_padding[:, None, None]",
+        (("kimi_mlx/ops/mla_paths.py", "real_key = k_pos[None, None, :] >= self.left_padding[:, None, None]",
           "real_key = k_pos[None, None, :] > self.left_padding[:, None, None]"),),
         ("tests/test_mla_blockwise.py", "tests/test_cache_merge.py"),
     ),

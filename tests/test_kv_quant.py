@@ -16,6 +16,7 @@ import pytest
 from kimi_mlx.cache import QuantizedMLALatentCache, cache_from_snapshot, merge_caches
 from kimi_mlx.generate import batch_generate
 from kimi_mlx.layers.moe import SparseMoE
+from kimi_mlx.ops.latent import QuantizedLatent
 from kimi_mlx.parallel.plan import cache_bytes
 from kimi_mlx.prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
 
@@ -120,8 +121,8 @@ def test_bytes_equal_the_formula(arch, bits, group):
     for t in tokens[37:]:
         _feed(model, cache, [[t]])
     mla = [c for c in cache if isinstance(c, QuantizedMLALatentCache)]
-    assert mla and all(isinstance(p.kv_latent, tuple) and isinstance(p.k_pe, tuple) == (group == 32)
-                       for c in mla for p in c.pages)
+    assert mla and all(isinstance(p.kv_latent, QuantizedLatent)
+                       and isinstance(p.k_pe, QuantizedLatent) == (group == 32) for c in mla for p in c.pages)
     assert cache.nbytes == cache_bytes(model.args, 40, act_bytes=4, kv_bits=bits, kv_group_size=group)
 
 

@@ -5,8 +5,9 @@ import mlx.core as mx
 import pytest
 
 import kimi_mlx.ops.mla_attention as mla_ops
-from kimi_mlx.cache import MLALatentCache, _width
+from kimi_mlx.cache import MLALatentCache
 from kimi_mlx.models.kimi_linear import attention_mask
+from kimi_mlx.ops.latent import width
 
 FUSED = 10**9  # a key block larger than any cache here: the fused path the layer had before blockwise attention
 
@@ -158,7 +159,7 @@ def test_growth_adds_pages_and_keeps_the_others(kl_blocks, kv):
             assert all(p.size == 256 for p in c.pages)
         before = [list(c.pages) for c in latent]
     assert [len(c.pages) for c in latent] == [3] * len(latent)
-    assert all(_width(c.fetch()[0][-1]) == 700 - 512 for c in latent)
+    assert all(width(c.fetch()[0][-1]) == 700 - 512 for c in latent)
 
 
 def test_auto_key_block_bounds_scores_and_matches_small_blocks(kl_blocks):

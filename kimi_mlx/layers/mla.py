@@ -65,11 +65,8 @@ class KimiMLA(nn.Module):
         k_pe = k_pe[:, None]
         if cache is not None:
             kv_latent, k_pe = cache.update_and_fetch(kv_latent, k_pe)
-
-        quant = getattr(cache, "quant", None)  # (bits, group_size) of a quantized latent cache: read as stored
         out = mla_attention(
-            q_nope, q_pe, kv_latent, k_pe, self.embed_q, self.unembed_out, self.scale, mask, key_block=self.key_block,
-            quant=quant,
+            q_nope, q_pe, kv_latent, k_pe, self.embed_q, self.unembed_out, self.scale, mask, key_block=self.key_block
         )
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
         if "g_proj" in self:

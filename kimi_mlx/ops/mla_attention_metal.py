@@ -1,7 +1,7 @@
-"""Absorbed MLA attention over the latent cache as Metal kernels (``metal_kernels/mla_decode.metal``,
-``metal_kernels/mla_prefill.metal``), the same op as the absorbed form of ``kimi_mlx.ops.mla_attention``.
+"""Absorbed MLA attention over a float latent cache as Metal kernels (``metal_kernels/mla_decode.metal``,
+``metal_kernels/mla_prefill.metal``), the same op as ``ops/mla_paths.absorbed_blocks``.
 
-Shapes as in ``ops/mla_attention.py``: q_nope ``[B, H, T, dn]``, q_pe ``[B, H, T, dr]``, kv_latent (c_kv)
+Shapes as in ``ops/mla_paths.py``: q_nope ``[B, H, T, dn]``, q_pe ``[B, H, T, dr]``, kv_latent (c_kv)
 ``[B, 1, S, r]``, k_pe ``[B, 1, S, dr]``, or each a list of segments (a paged cache's pages); mask None,
 ``"causal"`` (the queries are the last T of the S positions), ``LeftPaddedCausal`` or bool broadcastable to
 ``[B, 1, T, S]`` (True = may attend; every query must see at least one key).
@@ -16,8 +16,8 @@ so keys in several segments (pages, which are never concatenated) take one launc
 outputs, merged by their log-sum-exps (``mla_latent_attention_segments``).
 
 Custom kernels have no VJP: ``mla_attention_metal`` wraps the launch in ``kimi_mlx.metal.with_reference_vjp`` around
-the latent part only (q_lat, q_rot, c_kv, k_pe), whose backward is the pure path's; embed_q / unembed_out stay
-ordinary MLX ops, so their weights get their gradients as usual.
+the latent part only (q_lat, q_rot, c_kv, k_pe), whose backward is ``absorbed_blocks``' (identity embed / unembed);
+embed_q / unembed_out stay ordinary MLX ops, so their weights get their gradients as usual.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Optional
 import mlx.core as mx
 
 from .. import metal
-from . import mla_attention as _pure
+from .mla_paths import Keys, LeftPaddedCausal, Mask, absorbed_blocks, block_mask, segments
 
 __all__ = ["DECODE_KERNEL", "PREFILL_KERNEL", "decode_threadgroup_bytes", "mla_attention_metal",
            "mla_latent_attention_metal", "mla_latent_attention_segments"]  # fmt: skip
@@ -67,11 +67,11 @@ def _identity(x: mx.array, transpose: bool = True) -> mx.array:
     return x
 
 
-def _latent_pure(q_lat, q_rot, kv_latent, k_pe, mask):
-    """The pure path of the latent part: ``mla_attention`` on prescaled latent queries, identity embed/unembed
-    (kernels off: ``mla_attention`` dispatches here when they are on); keys as one part or segment lists."""
-    with metal.disabled():
-        return _pure.mla_attention(q_lat, q_rot, kv_latent, k_pe, _identity, _identity, 1.0, mask, absorbed=True)
+def _latent_pure(q_lat, q_rot, kv_latent: list, k_pe: list, mask: Mask, key_block: Optional[int]) -> mx.array:
+    """The pure path of the latent part (``absorbed_blocks`` on prescaled latent queries, identity embed / unembed),
+    ``key_block`` keys per block (None: all in one)."""
+    key_block = key_block or sum(c.shape[2] for c in kv_latent)
+    return absorbed_blocks(q_lat, q_rot, kv_latent, k_pe, _identity, _identity, 1.0, mask, key_block)
 
 
 def mla_latent_attention_metal(
@@ -79,7 +79,7 @@ def mla_latent_attention_metal(
     q_rot: mx.array,
     kv_latent: mx.array,
     k_pe: mx.array,
-    mask: _pure.Mask = None,
+    mask: Mask = None,
     *,
     decode: Optional[bool] = None,
     simdgroups: Optional[int] = None,
@@ -109,7 +109,7 @@ def mla_latent_attention_metal(
     kernel = metal.kernel(name)
     if kernel is None:
         raise RuntimeError("mla_latent_attention_metal: Metal kernels are not enabled (see kimi_mlx.metal.enabled)")
-    if isinstance(mask, _pure.LeftPaddedCausal):
+    if isinstance(mask, LeftPaddedCausal):
         mask = mask.block(T, S, 0, S)
     causal = isinstance(mask, str)
     if causal and mask != "causal":
@@ -139,9 +139,9 @@ def mla_latent_attention_metal(
 def mla_latent_attention_segments(
     q_lat: mx.array,
     q_rot: mx.array,
-    kv_latent: _pure.Keys,
-    k_pe: _pure.Keys,
-    mask: _pure.Mask = None,
+    kv_latent: Keys,
+    k_pe: Keys,
+    mask: Mask = None,
     *,
     simdgroups: Optional[int] = None,
 ) -> mx.array:
@@ -149,16 +149,16 @@ def mla_latent_attention_segments(
     paged cache's pages): one launch per segment, with float32 outputs merged by the rows' log-sum-exps (a segment
     a row cannot see at all weighs 0), then cast to q_lat's dtype. One segment: one launch, as
     ``mla_latent_attention_metal``."""
-    segments, pes = _pure.segments(kv_latent), _pure.segments(k_pe)
-    if len(segments) == 1:
-        return mla_latent_attention_metal(q_lat, q_rot, segments[0], pes[0], mask, simdgroups=simdgroups)
-    T, S = q_lat.shape[2], sum(c.shape[2] for c in segments)
+    cs, pes = segments(kv_latent), segments(k_pe)
+    if len(cs) == 1:
+        return mla_latent_attention_metal(q_lat, q_rot, cs[0], pes[0], mask, simdgroups=simdgroups)
+    T, S = q_lat.shape[2], sum(c.shape[2] for c in cs)
     q32, r32 = q_lat.astype(mx.float32), q_rot.astype(mx.float32)
     outs, lses, s0 = [], [], 0
-    for c, kr in zip(segments, pes):
+    for c, kr in zip(cs, pes):
         s1 = s0 + c.shape[2]
         # the last segment ends at S: a causal mask there is the kernel's own; elsewhere the block's bool mask
-        seg_mask = "causal" if mask == "causal" and s1 == S else _pure._block_mask(mask, T, S, s0, s1)
+        seg_mask = "causal" if mask == "causal" and s1 == S else block_mask(mask, T, S, s0, s1)
         out, lse = mla_latent_attention_metal(q32, r32, c, kr, seg_mask, simdgroups=simdgroups, with_lse=True)
         outs.append(out)
         lses.append(lse)
@@ -174,25 +174,26 @@ def mla_latent_attention_segments(
 def mla_attention_metal(
     q_nope: mx.array,
     q_pe: mx.array,
-    kv_latent: _pure.Keys,
-    k_pe: _pure.Keys,
+    kv_latent: Keys,
+    k_pe: Keys,
     embed_q: Callable,
     unembed_out: Callable,
     scale: float,
-    mask: _pure.Mask = None,
+    mask: Mask = None,
     *,
     simdgroups: Optional[int] = None,
+    key_block: Optional[int] = None,
 ) -> mx.array:
     """``mla_attention`` (same arguments and result ``[B, H, T, dv]``) through the kernels: ``mla_decode`` for one
     query, ``mla_prefill`` otherwise, one launch per key segment (``simdgroups`` as ``mla_latent_attention_metal``);
-    gradients are the pure path's."""
+    gradients are ``absorbed_blocks``' with ``key_block`` keys per block (None: all keys in one)."""
     q_lat = embed_q(q_nope) * scale
     q_rot = (q_pe * scale).astype(q_lat.dtype)
-    segments, pes = _pure.segments(kv_latent), _pure.segments(k_pe)
-    n = len(segments)
+    cs, pes = segments(kv_latent), segments(k_pe)
+    n = len(cs)
     op = metal.with_reference_vjp(
         lambda q, qr, *kv: [mla_latent_attention_segments(q, qr, list(kv[:n]), list(kv[n:]), mask,
                                                           simdgroups=simdgroups)],
-        lambda q, qr, *kv: [_latent_pure(q, qr, list(kv[:n]), list(kv[n:]), mask)],
+        lambda q, qr, *kv: [_latent_pure(q, qr, list(kv[:n]), list(kv[n:]), mask, key_block)],
     )
-    return unembed_out(op(q_lat, q_rot, *segments, *pes)[0])
+    return unembed_out(op(q_lat, q_rot, *cs, *pes)[0])
