@@ -294,7 +294,7 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "chat: apply_chat_template drops the template's newline after an explicitly given default system prompt",
-        (("kimi_mlx/tokenizer.py", 'suffix = "\\n" if "default_system" in kwargs else self.default_system_suffix',
+        (("kimi_mlx/chat/tokenizer.py", 'suffix = "\\n" if "default_system" in kwargs else self.default_system_suffix',
           "suffix = self.default_system_suffix"),),
         ("tests/test_chat_templates.py::test_kimi_linear_generated_conversations_match_the_template",),
     ),
