@@ -22,7 +22,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .chat.tokenizer import load_gguf_tokenizer, load_kimi_tokenizer
-from .config import ConfigError, KimiConfig
+from .config import AFFINE_BITS, GROUP_SIZES, ConfigError, KimiConfig
 from .convert.gguf.arch import FLOAT_TYPES, build_config, decode_float, plan_tensors
 from .convert.gguf.quant import to_mlx
 from .convert.gguf.reader import GGUFFile, GGUFFormatError, TensorInfo
@@ -33,13 +33,10 @@ from .models.kimi_k3 import K3Model
 from .ops.ggml import FORMATS as GGML_FORMATS
 from .models.kimi_linear import Model
 from .ops.memory import check_fits
-from .parallel import Select, Split, check_arguments, init_group, rank_share
+from .parallel import Select, check_arguments, init_group, rank_share
 from .parallel.health import agree, fingerprint
-from .parallel.pipeline import layer_bytes
+from .parallel.pipeline import Split, layer_bytes
 from .parallel.watchdog import watch
-
-AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-GROUP_SIZES = (32, 64, 128)
 
 
 class ModelNotFoundError(FileNotFoundError):

@@ -722,6 +722,14 @@ BUGS: tuple[PlantedBug, ...] = (
           "dequantize(self[\"weight\"][ids], self.ggml_type)"),),
         ("tests/test_gguf_native.py::test_block_embedding_keeps_a_bfloat16_model_in_bfloat16",),
     ),
+    # -- layering: floors, circles, start-up imports
+    PlantedBug(
+        "layering: the tokenizer asks chat/ for its format inside a function (an upward import)",
+        (("kimi_mlx/tokenizer.py", "        model_dir = Path(model_dir)\n        if not model_dir.is_dir():\n",
+          "        from .chat.format import detect_chat_format  # noqa: F401\n\n"
+          "        model_dir = Path(model_dir)\n        if not model_dir.is_dir():\n"),),
+        ("tests/test_layering.py::test_no_upward_imports_and_no_circles",),
+    ),
 )
 
 

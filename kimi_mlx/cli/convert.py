@@ -29,7 +29,7 @@ class ConvertError(ValueError):
 
 def add_parser(commands) -> None:
     p = commands.add_parser(
-        "convert", help="convert a GGUF / HF checkpoint to an MLX model directory",
+        "convert",
         description="Convert a Kimi Linear / Kimi-K3 GGUF (or split set), HF directory, HF repo id or 'demo' into an "
                     "MLX model directory (safetensors + config.json + tokenizer) that kimi_mlx.load and mlx_lm.load "
                     "read.",

@@ -22,7 +22,6 @@ from .generate import DTYPES
 def add_parser(commands) -> None:
     p = commands.add_parser(
         "fuse",
-        help="merge adapters into the base model and save it",
         description="Merge LoRA/DoRA adapters (from kimi-mlx lora or mlx_lm.lora) into a Kimi Linear / Kimi-K3 "
         "model and write an MLX model directory.",
     )
