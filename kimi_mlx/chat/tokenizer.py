@@ -17,6 +17,7 @@ Entry points:
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Union
 
@@ -29,6 +30,7 @@ from .format import (
     encode_segments,
     render_chat_segments,
     segments_to_text,
+    turn_end_token,
 )
 
 __all__ = ["KimiChatTokenizer", "load_gguf_tokenizer", "load_kimi_tokenizer", "wrap_kimi_tokenizer"]
@@ -133,7 +135,7 @@ def wrap_kimi_tokenizer(tokenizer: KimiChatTokenizer, eos_token_ids: Iterable[in
     if not issubclass(KimiStreamingDetokenizer, StreamingDetokenizer):
         StreamingDetokenizer.register(KimiStreamingDetokenizer)
     eos = set(int(i) for i in eos_token_ids)
-    for name in ("[EOS]", "<|im_end|>" if tokenizer.chat_format == "kimi_linear" else "<|end_of_msg|>"):
+    for name in ("[EOS]", turn_end_token(tokenizer.chat_format)):
         if name in tokenizer.special_tokens:
             eos.add(tokenizer.special_tokens[name])
 
@@ -145,8 +147,6 @@ def wrap_kimi_tokenizer(tokenizer: KimiChatTokenizer, eos_token_ids: Iterable[in
         parser = "kimi_k2"
     if parser is not None:
         try:
-            import importlib
-
             mod = importlib.import_module(f"mlx_lm.tool_parsers.{parser}")
             tool_kwargs = dict(
                 tool_parser=mod.parse_tool_call, tool_call_start=mod.tool_call_start, tool_call_end=mod.tool_call_end
