@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any, Optional
 
+# MLX affine quantization a model can be loaded or planned with (``load(quantize=...)``): bits and group sizes
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+
 
 class ConfigError(ValueError):
     """A config.json we cannot run: names the file and key, says what was found and what was expected."""

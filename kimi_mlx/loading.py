@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -20,26 +21,22 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .config import ConfigError, KimiConfig
+from .chat.tokenizer import load_gguf_tokenizer, load_kimi_tokenizer
+from .config import AFFINE_BITS, GROUP_SIZES, ConfigError, KimiConfig
 from .convert.gguf.arch import FLOAT_TYPES, build_config, decode_float, plan_tensors
 from .convert.gguf.quant import to_mlx
 from .convert.gguf.reader import GGUFFile, GGUFFormatError, TensorInfo
-from .convert.gguf.tokenizer import load_gguf_tokenizer
 from .convert.hf import CheckpointError
 from .convert.writer import progress_bar
-from .layers.ggml import holds_ggml, set_float_dtype, to_ggml
+from .layers.ggml import ggml_type_of, holds_ggml, set_float_dtype, to_ggml
 from .models.kimi_k3 import K3Model
 from .ops.ggml import FORMATS as GGML_FORMATS
 from .models.kimi_linear import Model
 from .ops.memory import check_fits
-from .parallel import Select, Split, check_arguments, init_group, rank_share
+from .parallel import Select, check_arguments, init_group, rank_share
 from .parallel.health import agree, fingerprint
-from .parallel.pipeline import layer_bytes
+from .parallel.pipeline import Split, layer_bytes
 from .parallel.watchdog import watch
-from .tokenizer import load_kimi_tokenizer
-
-AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-GROUP_SIZES = (32, 64, 128)
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -171,6 +168,26 @@ def checkpoint_quantization(raw: dict, source: str) -> Optional[dict]:
 def ggml_overrides(qconfig: dict) -> dict[str, str]:
     """Module path -> GGML type name of a ``quantization`` dict's ``{"ggml_type": name}`` overrides."""
     return {p: v["ggml_type"] for p, v in qconfig.items() if isinstance(v, dict) and "ggml_type" in v}
+
+
+def quantization_entry(model) -> dict | None:
+    """mlx-lm's ``quantization`` dict for the quantized modules of ``model``: the most common
+    (group_size, bits, mode) as the default, every module that differs as a per-path override; GGML-block layers
+    as ``{"ggml_type": name}`` overrides (no default when nothing is MLX-quantized)."""
+    specs, overrides = {}, {}
+    for path, module in model.named_modules():
+        if (ggml_type := ggml_type_of(module)) is not None:
+            overrides[path] = {"ggml_type": ggml_type}
+        elif hasattr(module, "scales") and hasattr(module, "bits") and hasattr(module, "group_size"):
+            specs[path] = (module.group_size, module.bits, getattr(module, "mode", "affine"))
+    entry: dict = {}
+    if specs:
+        default = Counter(specs.values()).most_common(1)[0][0]
+        entry = {"group_size": default[0], "bits": default[1], "mode": default[2]}
+        overrides.update({path: {"group_size": spec[0], "bits": spec[1], "mode": spec[2]}
+                          for path, spec in specs.items() if spec != default})
+    entry.update(sorted(overrides.items()))
+    return entry or None
 
 
 def _to_ggml_checked(model: nn.Module, weights: dict, types: dict[str, str], source: str) -> None:

@@ -10,18 +10,22 @@ and wraps it in a small Hugging-Face-tokenizer-like class that mlx-lm's
 
 Entry points:
 
-* :func:`load_kimi_tokenizer` ``(model_dir) -> TokenizerWrapper``
 * :class:`KimiTikTokenizer` (the HF-like tokenizer; ``from_pretrained(dir)`` or
   ``KimiTikTokenizer(ranks, special_tokens, pat_str)`` for a GGUF loader)
-* :func:`wrap_kimi_tokenizer` ``(KimiTikTokenizer) -> TokenizerWrapper``
 * :class:`KimiStreamingDetokenizer` (exact, linear-time byte-level streaming)
+* :func:`eos_ids_from_configs` ``(model_dir) -> stop ids``
+
+The chat format, the default system prompt and ``apply_chat_template`` belong to
+:mod:`kimi_mlx.chat.tokenizer` (:class:`~kimi_mlx.chat.tokenizer.KimiChatTokenizer`,
+``load_kimi_tokenizer(model_dir) -> TokenizerWrapper``), which asks this
+tokenizer for its special tokens and template text.
 
 Special tokens: by default ``encode`` treats text as *plain text*: a typed
 ``<|im_end|>`` becomes ordinary BPE tokens, never the control id. Pass
 ``allowed_special="all"`` (or a set of names) to parse special-token strings,
 or use :meth:`KimiTikTokenizer.encode_with_special_tokens`. Chat prompts should
 be built with :mod:`kimi_mlx.chat.format` (segment-aware), or via
-``apply_chat_template``; the string form returned by
+``KimiChatTokenizer.apply_chat_template``; the string form returned by
 ``apply_chat_template(..., tokenize=False)`` is a :class:`RenderedChat` that
 remembers its segment-aware ids, so ``encode(rendered)`` (what mlx-lm's CLI
 does) gives the correct ids.
@@ -59,8 +63,7 @@ __all__ = [
     "RenderedChat",
     "load_tiktoken_ranks",
     "load_special_tokens",
-    "load_kimi_tokenizer",
-    "wrap_kimi_tokenizer",
+    "eos_ids_from_configs",
     "bytes_to_unicode",
 ]
 
@@ -284,8 +287,9 @@ class KimiTikTokenizer:
     ``mlx_lm.generate`` and the server use: ``encode``, ``decode``,
     ``batch_decode``, ``convert_ids_to_tokens`` (GPT-2 byte-level strings, as the
     reference), ``convert_tokens_to_ids``, ``get_vocab``, ``__len__``,
-    ``vocab_size``, ``bos/eos/pad/unk_token(_id)``, ``chat_template``,
-    ``apply_chat_template``.
+    ``vocab_size``, ``bos/eos/pad/unk_token(_id)``, ``chat_template`` (the
+    checkpoint's template text; :class:`kimi_mlx.chat.tokenizer.KimiChatTokenizer`
+    adds ``apply_chat_template``).
 
     ``add_special_tokens`` is accepted and ignored: Kimi's tokenizer never
     prepends BOS (the reference's ``build_inputs_with_special_tokens`` is the
@@ -305,8 +309,6 @@ class KimiTikTokenizer:
         unk_token: Optional[str] = None,
         special_flagged: Optional[Collection[int]] = None,
         chat_template: Optional[str] = None,
-        default_system: Any = "auto",
-        default_system_suffix: Optional[str] = None,
         parse_special: bool = False,
         name_or_path: str = "",
     ):
@@ -336,17 +338,6 @@ class KimiTikTokenizer:
         self.eos_token = _tok(eos_token)
         self.pad_token = _tok(pad_token)
         self.unk_token = _tok(unk_token)
-        # Default system prompt injected by apply_chat_template when the chat has
-        # none ("auto": taken from the checkpoint's template, K2 default if none).
-        from .chat.format import default_system_from_template
-
-        auto_text, auto_suffix = default_system_from_template(chat_template)
-        if default_system == "auto":
-            default_system, default_system_suffix = auto_text, auto_suffix
-        elif default_system_suffix is None:
-            default_system_suffix = "\n"
-        self.default_system: Optional[str] = default_system
-        self.default_system_suffix: str = default_system_suffix
         self._special_re = None
         self._vocab: Optional[Dict[str, int]] = None
         self._id_to_token: Optional[List[str]] = None
@@ -594,81 +585,6 @@ class KimiTikTokenizer:
     def batch_decode(self, sequences, skip_special_tokens: bool = False, **kwargs) -> List[str]:
         return [self.decode(s, skip_special_tokens=skip_special_tokens) for s in sequences]
 
-    # ------------------------------------------------------------------ chat
-
-    @property
-    def chat_format(self) -> str:
-        """``"kimi_k3"`` for the XTML vocabulary, else ``"kimi_linear"`` (:func:`kimi_mlx.chat.format.detect_chat_format`)."""
-        from .chat.format import detect_chat_format
-
-        return detect_chat_format(self)
-
-    def apply_chat_template(
-        self,
-        conversation,
-        tools: Optional[List[dict]] = None,
-        tokenize: bool = True,
-        add_generation_prompt: bool = False,
-        continue_final_message: bool = False,
-        return_dict: bool = False,
-        return_tensors: Optional[str] = None,
-        **kwargs,
-    ):
-        """HF-compatible entry point: renders with :func:`kimi_mlx.chat.format.render_chat_segments`
-        in this tokenizer's chat format (Kimi Linear or Kimi-K3 XTML).
-
-        Extra kwargs: ``chat_format`` (override the detected format);
-        ``default_system`` (Kimi Linear; overrides the tokenizer's default,
-        ``None`` disables the injected system prompt); for Kimi-K3
-        ``thinking`` (or mlx-lm's ``enable_thinking``) and ``thinking_effort``
-        (or ``reasoning_effort``), ``tool_choice``, ``response_format``. Kimi
-        Linear ignores these (it has no thinking section nor such messages), so mlx-lm callers that always pass
-        ``enable_thinking`` work with both. Other template kwargs are ignored.
-        ``tokenize=False`` returns a :class:`RenderedChat`.
-        """
-        from .chat import format as chat_format
-
-        if return_tensors is not None:
-            raise ValueError(f"return_tensors={return_tensors!r} is not supported; convert the returned ids yourself")
-        if conversation and isinstance(conversation[0], (list, tuple)):
-            return [
-                self.apply_chat_template(
-                    c,
-                    tools=tools,
-                    tokenize=tokenize,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    return_dict=return_dict,
-                    **kwargs,
-                )
-                for c in conversation
-            ]
-        fmt = kwargs.get("chat_format") or self.chat_format
-        thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
-        effort = kwargs.get("thinking_effort", kwargs.get("reasoning_effort"))
-        request = {"tool_choice": kwargs.get("tool_choice"), "response_format": kwargs.get("response_format")}
-        if fmt == "kimi_linear":
-            thinking = effort = None
-            request = {}
-        # a default system prompt given here is followed by the K2 template's newline, as in render_chat
-        suffix = "\n" if "default_system" in kwargs else self.default_system_suffix
-        segments = chat_format.render_chat_segments(
-            conversation,
-            chat_format=fmt,
-            tools=tools,
-            thinking=thinking,
-            thinking_effort=effort,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            default_system=kwargs.get("default_system", self.default_system),
-            default_system_suffix=kwargs.get("default_system_suffix", suffix),
-            **request,
-        )
-        ids = chat_format.encode_segments(segments, self)
-        if tokenize:
-            return {"input_ids": ids} if return_dict else ids
-        return RenderedChat(chat_format.segments_to_text(segments), ids)
-
 
 # --------------------------------------------------------------------------- streaming
 
@@ -683,7 +599,7 @@ class KimiStreamingDetokenizer:
     trims, and invalid bytes -> U+FFFD, which tiktoken's decode also gives).
 
     Implements mlx-lm's ``StreamingDetokenizer`` interface (it is registered as
-    a virtual subclass by :func:`wrap_kimi_tokenizer`).
+    a virtual subclass by :func:`kimi_mlx.chat.tokenizer.wrap_kimi_tokenizer`).
     """
 
     def __init__(self, tokenizer: KimiTikTokenizer):
@@ -719,18 +635,12 @@ class KimiStreamingDetokenizer:
         return segment
 
 
-def _register_streaming_detokenizer():
-    # Lazy: importing mlx_lm.tokenizer_utils pulls in transformers.
-    from mlx_lm.tokenizer_utils import StreamingDetokenizer
-
-    if not issubclass(KimiStreamingDetokenizer, StreamingDetokenizer):
-        StreamingDetokenizer.register(KimiStreamingDetokenizer)
-
-
 # --------------------------------------------------------------------------- loader
 
 
-def _eos_ids_from_configs(model_dir: Path) -> List[int]:
+def eos_ids_from_configs(model_dir: Path) -> List[int]:
+    """Stop ids a checkpoint declares (``eos_token_id`` of ``generation_config.json``, ``config.json`` and its
+    ``text_config``; an int or a list each), in that order; ``[]`` when none."""
     ids: List[int] = []
 
     def add(v):
@@ -746,53 +656,3 @@ def _eos_ids_from_configs(model_dir: Path) -> List[int]:
     if isinstance(cfg.get("text_config"), dict):
         add(cfg["text_config"].get("eos_token_id"))
     return ids
-
-
-def wrap_kimi_tokenizer(tokenizer: KimiTikTokenizer, eos_token_ids: Iterable[int] = ()):
-    """Wrap in mlx-lm's ``TokenizerWrapper`` with :class:`KimiStreamingDetokenizer`,
-    the Kimi tool parser (``kimi_k2`` for the K2/Linear vocab, ``kimi_k3`` for
-    XTML) and stop ids ``eos_token_ids`` + ``[EOS]`` + the turn end
-    (``<|im_end|>`` / ``<|end_of_msg|>``) when present."""
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    _register_streaming_detokenizer()
-    eos = set(int(i) for i in eos_token_ids)
-    for name in ("[EOS]", "<|im_end|>" if tokenizer.chat_format == "kimi_linear" else "<|end_of_msg|>"):
-        if name in tokenizer.special_tokens:
-            eos.add(tokenizer.special_tokens[name])
-
-    tool_kwargs: Dict[str, Any] = {}
-    parser = None
-    if tokenizer.chat_format == "kimi_k3":
-        parser = "kimi_k3"
-    elif "<|tool_calls_section_begin|>" in tokenizer.special_tokens:
-        parser = "kimi_k2"
-    if parser is not None:
-        try:
-            import importlib
-
-            mod = importlib.import_module(f"mlx_lm.tool_parsers.{parser}")
-            tool_kwargs = dict(
-                tool_parser=mod.parse_tool_call, tool_call_start=mod.tool_call_start, tool_call_end=mod.tool_call_end
-            )
-        except (ImportError, AttributeError):
-            tool_kwargs = {}
-    # TokenizerWrapper encodes marker strings (tool-call start/end, XTML think
-    # markers) while constructing; those must map to special ids.
-    with tokenizer.parsing_special(True):
-        return TokenizerWrapper(
-            tokenizer, detokenizer_class=KimiStreamingDetokenizer, eos_token_ids=sorted(eos), **tool_kwargs
-        )
-
-
-def load_kimi_tokenizer(model_dir: Union[str, Path], **kwargs):
-    """Load Kimi's tokenizer from ``model_dir`` as an mlx-lm ``TokenizerWrapper``.
-
-    Needs ``tiktoken.model`` and ``tokenizer_config.json``; reads eos ids from
-    ``generation_config.json`` / ``config.json`` when present. ``kwargs`` go to
-    :class:`KimiTikTokenizer` (e.g. ``parse_special=True`` for HF-style
-    ``encode``, ``default_system=None``).
-    """
-    model_dir = Path(model_dir)
-    tok = KimiTikTokenizer.from_pretrained(model_dir, **kwargs)
-    return wrap_kimi_tokenizer(tok, _eos_ids_from_configs(model_dir))

@@ -300,7 +300,7 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "chat: apply_chat_template drops the template's newline after an explicitly given default system prompt",
-        (("kimi_mlx/tokenizer.py", 'suffix = "\\n" if "default_system" in kwargs else self.default_system_suffix',
+        (("kimi_mlx/chat/tokenizer.py", 'suffix = "\\n" if "default_system" in kwargs else self.default_system_suffix',
           "suffix = self.default_system_suffix"),),
         ("tests/test_chat_templates.py::test_kimi_linear_generated_conversations_match_the_template",),
     ),
@@ -727,6 +727,14 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/layers/ggml.py", "dequantize(self[\"weight\"][ids], self.ggml_type).astype(self.dtype)",
           "dequantize(self[\"weight\"][ids], self.ggml_type)"),),
         ("tests/test_gguf_native.py::test_block_embedding_keeps_a_bfloat16_model_in_bfloat16",),
+    ),
+    # -- layering: floors, circles, start-up imports
+    PlantedBug(
+        "layering: the tokenizer asks chat/ for its format inside a function (an upward import)",
+        (("kimi_mlx/tokenizer.py", "        model_dir = Path(model_dir)\n        if not model_dir.is_dir():\n",
+          "        from .chat.format import detect_chat_format  # noqa: F401\n\n"
+          "        model_dir = Path(model_dir)\n        if not model_dir.is_dir():\n"),),
+        ("tests/test_layering.py::test_no_upward_imports_and_no_circles",),
     ),
 )
 

@@ -20,7 +20,7 @@ from kimi_mlx.chat.format import (
     turn_end_id,
 )
 from kimi_mlx.chat.parser import parse_reply
-from kimi_mlx.tokenizer import load_kimi_tokenizer
+from kimi_mlx.chat.tokenizer import load_kimi_tokenizer
 
 OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 

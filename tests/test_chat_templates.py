@@ -29,7 +29,7 @@ from kimi_mlx.chat.format import (
     render_chat_segments,
     render_chat_text,
 )
-from kimi_mlx.tokenizer import load_kimi_tokenizer
+from kimi_mlx.chat.tokenizer import load_kimi_tokenizer
 
 K3_VL = SHARED / "fixtures" / "k3_vision" / "k3-vl-tiny"
 EXAMPLES = 60  # generated conversations per format

@@ -31,12 +31,12 @@ from xtml_tokenizer import write_xtml_tokenizer_dir
 
 from kimi_mlx.chat.format import render_chat, render_chat_text
 from kimi_mlx.chat.session import ChatSession
+from kimi_mlx.chat.tokenizer import load_kimi_tokenizer
 from kimi_mlx.chat.tool_ids import in_call_order, tool_call_ids
 from kimi_mlx.generate import stream_generate
 from kimi_mlx.loading import load
 from kimi_mlx.server.app import create_app
 from kimi_mlx.server.backend import Backend
-from kimi_mlx.tokenizer import load_kimi_tokenizer
 
 N = 8
 TOOLS = [{"type": "function", "function": {"name": name, "description": f"Get the {what} of a city",

@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import K3_FIXTURE, KL_FIXTURE
-from kimi_mlx.convert.gguf.reader import GGUFFile, GGUFFormatError
-from kimi_mlx.convert.gguf.tokenizer import load_gguf_tokenizer
 
+from kimi_mlx.chat.tokenizer import load_gguf_tokenizer
+from kimi_mlx.convert.gguf.reader import GGUFFile, GGUFFormatError
 from kimi_mlx.loading import load_gguf_model
 
 T = gguf.GGMLQuantizationType

@@ -438,7 +438,7 @@ def _build(c: Case, tmp_path: Path) -> Path:
 
 def _load(path: Path):
     from kimi_mlx.convert.gguf.reader import GGUFFile
-    from kimi_mlx.convert.gguf.tokenizer import load_gguf_tokenizer
+    from kimi_mlx.chat.tokenizer import load_gguf_tokenizer
 
     from kimi_mlx.loading import load_gguf_model
 

@@ -16,13 +16,13 @@ from kimi_mlx.chat.format import (
     render_kimi_linear,
     render_kimi_linear_text,
 )
+from kimi_mlx.chat.tokenizer import load_kimi_tokenizer
 from kimi_mlx.tokenizer import (
     KIMI_PAT_STR,
     KimiStreamingDetokenizer,
     KimiTikTokenizer,
     KimiTokenizerError,
     RenderedChat,
-    load_kimi_tokenizer,
     load_tiktoken_ranks,
 )
 

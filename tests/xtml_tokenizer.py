@@ -11,7 +11,7 @@ from pathlib import Path
 
 from conftest import K3_FIXTURE
 
-from kimi_mlx.tokenizer import load_kimi_tokenizer
+from kimi_mlx.chat.tokenizer import load_kimi_tokenizer
 
 # offset from the first control id -> name (spec §3.1, Kimi-K3 column)
 K3_SPECIAL_NAMES = {

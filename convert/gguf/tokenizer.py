@@ -7,19 +7,16 @@ rank). CONTROL tokens (type 3) are the special tokens; UNUSED (type 5) ``[PAD{i}
 
 from __future__ import annotations
 
-from kimi_mlx.tokenizer import (
-    KIMI_PAT_STR,
-    KimiTikTokenizer,
-    bytes_to_unicode,
-    wrap_kimi_tokenizer,
-)
+from kimi_mlx.tokenizer import KIMI_PAT_STR, KimiTikTokenizer, bytes_to_unicode
 
 from .reader import GGUFFile, GGUFFormatError
 
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 
 
-def tokenizer_from_gguf(g: GGUFFile) -> KimiTikTokenizer:
+def tokenizer_from_gguf(g: GGUFFile, tokenizer_class: type[KimiTikTokenizer] = KimiTikTokenizer) -> KimiTikTokenizer:
+    """``tokenizer_class(ranks, special_tokens, KIMI_PAT_STR, ...)`` from ``tokenizer.ggml.*`` (and the chat template
+    text); raises ``GGUFFormatError`` naming the key that is not Kimi's byte-level BPE."""
     src = g.source
     model = g.get_str("tokenizer.ggml.model")
     if model != "gpt2":
@@ -65,17 +62,13 @@ def tokenizer_from_gguf(g: GGUFFile) -> KimiTikTokenizer:
     eos = name_of("tokenizer.ggml.eos_token_id") or ("[EOS]" if "[EOS]" in specials else None)
     pad = name_of("tokenizer.ggml.padding_token_id") or ("[PAD]" if "[PAD]" in specials else None)
     template = g.get_str("tokenizer.chat_template", None, required=False)
-    return KimiTikTokenizer(
+    return tokenizer_class(
         ranks, specials, KIMI_PAT_STR, name=g.path.stem, bos_token=bos, eos_token=eos, pad_token=pad,
         unk_token="[UNK]" if "[UNK]" in specials else None, chat_template=template, name_or_path=str(g.path),
     )
 
 
-def load_gguf_tokenizer(g: GGUFFile):
-    """mlx-lm ``TokenizerWrapper``; stop ids: the GGUF eos (when it names a control token) + [EOS] + turn end."""
-    tok = tokenizer_from_gguf(g)
-    eos = []
+def gguf_eos_ids(g: GGUFFile, tok: KimiTikTokenizer) -> list[int]:
+    """``[tokenizer.ggml.eos_token_id]`` when it names a control token of ``tok``, else ``[]``."""
     tid = g.get_int("tokenizer.ggml.eos_token_id", None, required=False)
-    if tid is not None and tid in tok.special_ids:
-        eos.append(tid)
-    return wrap_kimi_tokenizer(tok, eos)
+    return [tid] if tid is not None and tid in tok.special_ids else []

@@ -26,7 +26,6 @@ from .generate import add_kv_args, add_model_args, kv_from_args, load_from_args
 def add_parser(commands) -> None:
     p = commands.add_parser(
         "bench",
-        help="measure prompt and generation tokens/s and peak memory",
         description="Measure prompt-processing and generation speed (tokens/s) and peak memory of a Kimi Linear / "
         "Kimi-K3 model on random prompts: medians over trials after a warm-up, each trial with a fresh cache.",
     )

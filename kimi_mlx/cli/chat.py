@@ -41,8 +41,7 @@ DIM, RESET, BOLD = "\x1b[2m", "\x1b[0m", "\x1b[1m"
 
 
 def add_parser(commands) -> None:
-    p = commands.add_parser("chat", help="interactive chat in the terminal",
-                            description="Chat with a Kimi Linear / Kimi-K3 model in the terminal.")
+    p = commands.add_parser("chat", description="Chat with a Kimi Linear / Kimi-K3 model in the terminal.")
     add_model_args(p)
     add_sampling_args(p, max_tokens=512)
     add_chat_args(p)

@@ -29,7 +29,7 @@ class ConvertError(ValueError):
 
 def add_parser(commands) -> None:
     p = commands.add_parser(
-        "convert", help="convert a GGUF / HF checkpoint to an MLX model directory",
+        "convert",
         description="Convert a Kimi Linear / Kimi-K3 GGUF (or split set), HF directory, HF repo id or 'demo' into an "
                     "MLX model directory (safetensors + config.json + tokenizer) that kimi_mlx.load and mlx_lm.load "
                     "read.",
@@ -54,28 +54,6 @@ def add_parser(commands) -> None:
     p.add_argument("--max-shard-gb", type=float, default=5.0, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=run)
-
-
-def quantization_entry(model) -> dict | None:
-    """mlx-lm's ``quantization`` dict for the quantized modules of ``model``: the most common
-    (group_size, bits, mode) as the default, every module that differs as a per-path override; GGML-block layers
-    as ``{"ggml_type": name}`` overrides (no default when nothing is MLX-quantized)."""
-    from ..layers.ggml import ggml_type_of
-
-    specs, overrides = {}, {}
-    for path, module in model.named_modules():
-        if (ggml_type := ggml_type_of(module)) is not None:
-            overrides[path] = {"ggml_type": ggml_type}
-        elif hasattr(module, "scales") and hasattr(module, "bits") and hasattr(module, "group_size"):
-            specs[path] = (module.group_size, module.bits, getattr(module, "mode", "affine"))
-    entry: dict = {}
-    if specs:
-        default = Counter(specs.values()).most_common(1)[0][0]
-        entry = {"group_size": default[0], "bits": default[1], "mode": default[2]}
-        overrides.update({path: {"group_size": spec[0], "bits": spec[1], "mode": spec[2]}
-                          for path, spec in specs.items() if spec != default})
-    entry.update(sorted(overrides.items()))
-    return entry or None
 
 
 def ggml_note(quantization: dict | None, quantize: int | None = None) -> str | None:
@@ -115,7 +93,7 @@ def _load_source(src: str, dtype, requantize: bool = False, scale_dtype=mx.float
 
     if str(src).endswith(".gguf"):
         from ..convert.gguf.reader import GGUFFile
-        from ..convert.gguf.tokenizer import load_gguf_tokenizer
+        from ..chat.tokenizer import load_gguf_tokenizer
 
         path = Path(src).expanduser()
         if not path.is_file():
@@ -176,7 +154,7 @@ def shrink_to(model, dtype) -> None:
 
 def convert(args: argparse.Namespace) -> Path:
     from ..convert.writer import hf_config, to_mlx_lm_layout, write_model_dir
-    from ..loading import _quantization_spec, quantize_model
+    from ..loading import _quantization_spec, quantization_entry, quantize_model
 
     out = Path(args.out).expanduser()
     _check_out(out, args.force)

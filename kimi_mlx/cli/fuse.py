@@ -22,7 +22,6 @@ from .generate import DTYPES
 def add_parser(commands) -> None:
     p = commands.add_parser(
         "fuse",
-        help="merge adapters into the base model and save it",
         description="Merge LoRA/DoRA adapters (from kimi-mlx lora or mlx_lm.lora) into a Kimi Linear / Kimi-K3 "
         "model and write an MLX model directory.",
     )
@@ -54,16 +53,15 @@ def fuse_model(
     from mlx.utils import tree_flatten
 
     from ..convert.writer import hf_config, to_mlx_lm_layout, write_model_dir
-    from ..layers.ggml import ggml_type_of
-    from ..tuner.adapters import ADAPTER_TYPES, dequantize_all, fuse_adapters, load_adapters
-    from .convert import DTYPE_NAMES, _check_out, _load_source, ggml_note, quantization_entry
+    from ..loading import quantization_entry
+    from ..tuner.adapters import adapters_on_ggml_blocks, dequantize_all, fuse_adapters, load_adapters
+    from .convert import DTYPE_NAMES, _check_out, _load_source, ggml_note
 
     out = Path(save_path).expanduser()
     _check_out(out, force)
     model, cfg, base, files, _ = _load_source(model_src, dtype)
     config = load_adapters(model, adapter_path)
-    on_blocks = sum(isinstance(m, ADAPTER_TYPES) and ggml_type_of(m.linear) is not None
-                    for _, m in model.named_modules())
+    on_blocks = adapters_on_ggml_blocks(model)
     n = fuse_adapters(model, dequantize=dequantize)
     if dequantize:
         model = dequantize_all(model)

@@ -33,7 +33,6 @@ SCHEDULES = ("cosine_decay", "linear_schedule", "exponential_decay", "step_decay
 def add_parser(commands) -> None:
     p = commands.add_parser(
         "lora",
-        help="fine-tune LoRA/DoRA adapters (QLoRA on a quantized base)",
         description="Fine-tune LoRA or DoRA adapters for a Kimi Linear / Kimi-K3 model on local jsonl data. "
         "Flags follow mlx_lm.lora.",
     )

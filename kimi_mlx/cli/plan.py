@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..loading import AFFINE_BITS, GROUP_SIZES
+from ..config import AFFINE_BITS, GROUP_SIZES
 from ..ops.memory import FILL
 from ..parallel.plan import (
     GB,
@@ -37,7 +37,6 @@ from ..parallel.plan import (
 def add_parser(commands) -> None:
     p = commands.add_parser(
         "plan",
-        help="split a model over Macs: memory per rank, fit, predicted tokens/s",
         description="Plan a model over hosts without loading it: the layer (pipeline) or head/expert (tensor) split "
         "that load(parallel=...) makes, weight and cache bytes per rank at a context length, whether it fits, and "
         "predicted prefill/decode tokens/s from the cost model in the README. Exit status 2 when it does not fit.",

@@ -9,7 +9,7 @@ this rank's part before its weights are evaluated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,9 +17,11 @@ from mlx.utils import tree_flatten
 
 from ..config import KimiConfig
 from .comm import comm_stream
-from .pipeline import Split, Stages, layer_bytes
 
-__all__ = ["MODES", "Select", "Share", "Split", "check_arguments", "comm_stream", "init_group", "param_bytes",
+if TYPE_CHECKING:
+    from .pipeline import Split
+
+__all__ = ["MODES", "Select", "Share", "check_arguments", "comm_stream", "init_group", "param_bytes",
            "parallelize", "rank_share"]
 
 MODES = ("pipeline", "tensor")
@@ -75,6 +77,8 @@ def rank_share(
         return None
     where = f"{parallel} rank {group.rank()} of {group.size()}"
     if parallel == "pipeline":
+        from .pipeline import Stages  # the stages import the models (and mlx-lm): not for ``kimi-mlx plan``
+
         stages = Stages.split(layer_costs, group, split, cfg.tie_word_embeddings)  # checks ``split`` for 1 rank too
         layers = stages.layers
         where += f", layers {layers.start}-{layers.stop - 1}"
@@ -101,6 +105,8 @@ def _labelled(apply: Callable[[nn.Module], nn.Module], where: str) -> Callable[[
 def parallelize(model: nn.Module, parallel: Optional[str], group: Optional[mx.distributed.Group] = None,
                 split: Split = None) -> nn.Module:
     """``model`` (weights best still lazy: only what the rank keeps is then read) as this rank's part."""
+    from .pipeline import layer_bytes
+
     check_arguments(parallel, group, split)
     group = init_group(parallel, group)
     share = rank_share(parallel, group, split, model.args, layer_bytes(model))

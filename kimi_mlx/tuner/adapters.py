@@ -365,6 +365,12 @@ def fuse_adapters(model: nn.Module, dequantize: bool = False) -> int:
     return len(fused)
 
 
+def adapters_on_ggml_blocks(model: nn.Module) -> int:
+    """How many adapters of ``model`` sit on a GGML-block projection (:func:`fuse_adapters` writes those as
+    float32)."""
+    return sum(isinstance(m, ADAPTER_TYPES) and ggml_type_of(m.linear) is not None for _, m in model.named_modules())
+
+
 def dequantize_all(model: nn.Module) -> nn.Module:
     """Replace every quantized module by its float form, in place: mlx-lm's ``dequantize_model`` (Linear,
     Embedding, SwitchLinear) plus the MLA ``QuantizedMultiLinear`` heads (``embed_q`` / ``unembed_out``), which it
