@@ -2,15 +2,13 @@
 
 The model calls ``kda_gated`` (raw projections in); ``kda_forward`` is the scan on prepared inputs. Paths:
 
-=====================================  ==================================================================
-``kda_gated``, Metal, T <= 64          ``kda_recurrent_metal``: prologue and recurrence in one launch
-``kda_gated`` otherwise                ``kda_prologue`` (``kda_gates``), then ``kda_forward``
-``kda_forward``, T <= 4                ``kda_recurrent`` (token by token; decode)
-``kda_forward``, T > 4                 chunked, chunk 8 below 32 tokens, 16 from 32 on:
-                                       ``kda_chunked_metal`` on Metal, else ``kda_chunked``
-=====================================  ==================================================================
+- ``kda_gated``, Metal, ``T <= RECURRENT_KERNEL_MAX_T``: ``kda_recurrent_metal``, prologue and recurrence in one launch;
+- ``kda_gated`` otherwise: ``kda_prologue`` (``kda_gates``), then ``kda_forward``;
+- ``kda_forward``, ``T <= RECURRENT_MAX_T``: ``kda_recurrent`` (token by token; decode);
+- ``kda_forward``, longer: the chunked scan with ``chunk_size_for(T)`` tokens per chunk, ``kda_chunked_metal`` on
+  Metal, else ``kda_chunked``.
 
-"Metal" means ``kimi_mlx.metal.enabled()`` and head dims Dk, Dv that are multiples of 32 (what both kernels require).
+"Metal" means ``kimi_mlx.metal.enabled()`` and head dims Dk, Dv that are multiples of ``KERNEL_HEAD_DIM_MULTIPLE``.
 The pure functions live in ``kda_recurrent``, ``kda_chunked`` and ``kda_gates``; each Metal module takes its gradient
 from the pure function it mirrors. Shapes (``B`` batch, ``T`` tokens, ``H`` heads): q, k, g ``[B, T, H, Dk]``; v
 ``[B, T, H, Dv]``; beta ``[B, T, H]``; f ``[B, T, H, Dk]``; b ``[B, T, H]``; A_log ``[H]``; dt_bias ``[H * Dk]``;
