@@ -15,7 +15,8 @@ import time
 
 import mlx.core as mx
 
-from kimi_mlx.ops.kda import kda_chunked, kda_recurrent
+from kimi_mlx.ops.kda_chunked import kda_chunked
+from kimi_mlx.ops.kda_recurrent import kda_recurrent
 
 
 def make_inputs(B, T, H, D, seed=0):

@@ -41,8 +41,10 @@ import mlx.core as mx
 
 from kimi_mlx import metal
 from kimi_mlx.ops.attn_res import attn_res_mix, inv_rms
-from kimi_mlx.ops.kda import RECURRENT_MAX_T, kda_chunked, kda_gated, kda_recurrent_metal
+from kimi_mlx.ops.kda import DEFAULT_CHUNK_SIZE, RECURRENT_MAX_T, kda_gated
+from kimi_mlx.ops.kda_chunked import kda_chunked
 from kimi_mlx.ops.kda_chunked_metal import kda_chunked_metal
+from kimi_mlx.ops.kda_recurrent_metal import kda_recurrent_metal
 from kimi_mlx.ops.mla_attention import mla_attention
 from kimi_mlx.ops.mla_attention_metal import mla_attention_metal
 
@@ -117,11 +119,11 @@ def bench_kda_chunked(T, args, dtype):
     mx.eval(q, k, g, beta, alpha)
 
     def kernels():
-        return kda_chunked_metal(q, k, v, g, beta, state)
+        return kda_chunked_metal(q, k, v, g, beta, state, chunk_size=DEFAULT_CHUNK_SIZE)
 
     def pure():
         with metal.disabled():
-            return kda_chunked(q, k, v, g, beta, state)
+            return kda_chunked(q, k, v, g, beta, state, chunk_size=DEFAULT_CHUNK_SIZE)
 
     def mlx_lm():
         return lm_scan(q, k, v, alpha, beta, state)

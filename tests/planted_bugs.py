@@ -611,6 +611,12 @@ BUGS: tuple[PlantedBug, ...] = (
         ("tests/test_metal_limits.py::test_kda_kernels_at_real_head_dims",),
     ),
     PlantedBug(
+        "KDA recurrent kernel: its gradient (the pure prologue and scan) ignores the padding mask",
+        (("kimi_mlx/ops/kda_recurrent_metal.py", "reference_scan(qn, kn, v, g, beta, state=state, mask=mask)",
+          "reference_scan(qn, kn, v, g, beta, state=state, mask=None)"),),
+        ("tests/test_metal_kda_recurrent.py::test_gradients_through_the_kernel_path",),
+    ),
+    PlantedBug(
         "Metal indices: attn_res_mix indexes its rows with a 32-bit uint",
         (("metal_kernels/attn_res_mix.metal", "const ulong row = thread_position_in_grid.y;",
           "const uint row = thread_position_in_grid.y;"),

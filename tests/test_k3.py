@@ -14,7 +14,7 @@ from kimi_mlx.convert.hf import CheckpointError
 from mlx.utils import tree_flatten, tree_unflatten
 
 from kimi_mlx.config import ConfigError, KimiConfig
-from kimi_mlx.layers.kda import kda_decay
+from kimi_mlx.ops.kda_gates import kda_decay
 from kimi_mlx.layers.moe import situ
 from kimi_mlx.loading import load_model
 from kimi_mlx.ops.attn_res import attn_res_mix

@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 import kimi_mlx.ops.kda as kda_ops
 from kimi_mlx.loading import load_model
-from kimi_mlx.ops.kda import kda_recurrent
+from kimi_mlx.ops.kda_recurrent import kda_recurrent
 from kimi_mlx.tuner.adapters import apply_adapters, select_modules
 
 T = 40  # > SHORT_CHUNK_T: kda_forward runs chunks of 16 with a padded tail

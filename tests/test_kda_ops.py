@@ -1,4 +1,5 @@
-"""Tests for kimi_mlx.ops.kda: recurrent / chunked KDA scans against a float64 numpy reference (spec §1.3, §1.4)."""
+"""Tests for the KDA scans (kimi_mlx.ops.kda_recurrent, kda_chunked and the dispatcher kimi_mlx.ops.kda): recurrent /
+chunked scans against a float64 numpy reference (spec §1.3, §1.4)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import numpy as np
 import pytest
 
 from kimi_mlx.ops import kda as kda_mod
-from kimi_mlx.ops.kda import kda_chunked, kda_forward, kda_recurrent
+from kimi_mlx.ops import kda_chunked as chunked_mod
+from kimi_mlx.ops.kda import kda_forward
+from kimi_mlx.ops.kda_chunked import kda_chunked
+from kimi_mlx.ops.kda_recurrent import kda_recurrent
 
 # Relative to the max abs of the reference; measured up to 2.5e-7 (float32 scans vs the float64 reference).
 TOL = 1e-6
@@ -118,13 +122,14 @@ def test_long_sequence_chunked_vs_reference():
     arrs, _ = make_inputs(rng, 1, 300, 2, 16, 24, extreme=True, with_state=False)
     ref_o, ref_S = ref_kda(*arrs)
     a, _ = to_mx(arrs, None)
-    old = kda_mod.GROUP_ELEMS
+    C = kda_mod.DEFAULT_CHUNK_SIZE
+    old = chunked_mod.GROUP_ELEMS
     try:
-        kda_mod.GROUP_ELEMS = 1  # one chunk per group: exercises the group loop
-        o1, S1 = kda_chunked(*a)
+        chunked_mod.GROUP_ELEMS = 1  # one chunk per group: exercises the group loop
+        o1, S1 = kda_chunked(*a, chunk_size=C)
     finally:
-        kda_mod.GROUP_ELEMS = old
-    o2, S2 = kda_chunked(*a)
+        chunked_mod.GROUP_ELEMS = old
+    o2, S2 = kda_chunked(*a, chunk_size=C)
     assert_close(o1, S1, ref_o, ref_S)
     assert_close(o2, S2, ref_o, ref_S)
 

@@ -17,8 +17,10 @@ from metal_support import kernels_fixture, strict_kernels_fixture  # noqa: F401 
 from test_kda_ops import make_inputs
 
 from kimi_mlx import metal
-from kimi_mlx.ops import kda as kda_mod
-from kimi_mlx.ops.kda import kda_chunked, kda_forward, kda_recurrent
+from kimi_mlx.ops import kda_chunked as chunked_mod
+from kimi_mlx.ops.kda import kda_forward
+from kimi_mlx.ops.kda_chunked import intra_chunk, kda_chunked
+from kimi_mlx.ops.kda_recurrent import kda_recurrent, mask_gates
 from kimi_mlx.ops.kda_chunked_metal import PREP_KERNEL, SCAN_KERNEL, kda_chunked_metal
 
 
@@ -91,7 +93,7 @@ def test_float32_matches_pure_paths(strict_kernels, name):
 
 def test_prep_kernel_equals_intra_chunk(strict_kernels):
     """The prep kernel alone, on a window [t0, t1) of a ragged batch with masked steps inside it and a partial last
-    chunk, writes the same wq / uo / kg / decay as the pure ``kda._intra_chunk`` on the masked, padded window."""
+    chunk, writes the same wq / uo / kg / decay as the pure ``kda_chunked.intra_chunk`` on the masked, padded window."""
     q, k, v, g, beta, _, _ = inputs(13, 2, 29, 2, 64, 64, extreme=True)
     mask = np.random.default_rng(13).random((2, 29)) > 0.3
     t0, t1, C = 3, 22, 8
@@ -107,14 +109,14 @@ def test_prep_kernel_equals_intra_chunk(strict_kernels):
         )
         mx.eval(got)
     live = mx.array(mask[:, t0:t1])
-    gw, bw = kda_mod._mask_gates(g[:, t0:t1], beta[:, t0:t1], live)
+    gw, bw = mask_gates(g[:, t0:t1], beta[:, t0:t1], live)
     pad = N * C - (t1 - t0)
 
     def chunks(x):  # [2, t1 - t0, 2, D] -> [N * 2 * 2, C, D], padded with zeros, chunk-major
         x = mx.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)])
         return x.reshape(2, N, C, 2, -1).transpose(1, 0, 3, 2, 4).reshape(N * 4, C, -1)
 
-    ref = kda_mod._intra_chunk(
+    ref = intra_chunk(
         *(chunks(x) for x in (q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], gw)), chunks(bw[..., None])[..., 0]
     )
     for name, a, r in zip(("wq", "uo", "kg", "decay"), got, ref):
@@ -172,9 +174,9 @@ def test_thread_sanitizer_finds_no_race():
 
 
 def test_state_carried_across_launches(strict_kernels, monkeypatch):
-    """With one chunk per group (kda.GROUP_ELEMS = 1) each chunk is its own launch; the state handed from launch to
-    launch gives the same result as the pure paths."""
-    monkeypatch.setattr(kda_mod, "GROUP_ELEMS", 1)
+    """With one chunk per group (kda_chunked.GROUP_ELEMS = 1) each chunk is its own launch; the state handed from launch
+    to launch gives the same result as the pure paths."""
+    monkeypatch.setattr(chunked_mod, "GROUP_ELEMS", 1)
     args = inputs(4, 2, 21, 2, 64, 64, pad=(0, 9))
     got, chunked, recurrent = run_both(strict_kernels, args, 8, 4)
     check(strict_kernels, got, chunked, recurrent, launches=3)
@@ -195,7 +197,7 @@ def test_all_masked_and_empty(strict_kernels):
 def test_gradients_are_the_pure_paths(kernels, monkeypatch):
     """mx.value_and_grad through the kernels (two launches per group: GROUP_ELEMS = 1) gives the pure path's loss and
     gradients for q, k, v, g, beta and the initial state (the op's VJP is the pure path's)."""
-    monkeypatch.setattr(kda_mod, "GROUP_ELEMS", 1)
+    monkeypatch.setattr(chunked_mod, "GROUP_ELEMS", 1)
     args = inputs(12, 2, 19, 2, 64, 64, pad=(0, 6))
     mask = args[-1]
     W = mx.array(np.random.default_rng(12).standard_normal(64).astype(np.float32))

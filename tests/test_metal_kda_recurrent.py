@@ -7,7 +7,8 @@ import pytest
 from metal_support import KernelBackend, assert_matches, kernels_fixture, strict_kernels_fixture  # noqa: F401
 
 from kimi_mlx import metal
-from kimi_mlx.ops.kda import RECURRENT_KERNEL_MAX_T, kda_gated, kda_recurrent_metal
+from kimi_mlx.ops.kda import RECURRENT_KERNEL_MAX_T, kda_gated
+from kimi_mlx.ops.kda_recurrent_metal import kda_recurrent_metal
 
 RECURRENT = "kimi_kda_recurrent"
 

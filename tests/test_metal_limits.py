@@ -33,8 +33,10 @@ from kimi_mlx.config import KimiConfig
 from kimi_mlx.ops.attn_res import attn_res_mix, attn_res_mix_metal, threadgroup_bytes
 from kimi_mlx.ops.ggml.dequant import dequantize
 from kimi_mlx.ops.ggml.metal import matvec_metal
-from kimi_mlx.ops.kda import kda_chunked, kda_gated, kda_recurrent_metal
+from kimi_mlx.ops.kda import kda_gated
+from kimi_mlx.ops.kda_chunked import kda_chunked
 from kimi_mlx.ops.kda_chunked_metal import kda_chunked_metal
+from kimi_mlx.ops.kda_recurrent_metal import kda_recurrent_metal
 from kimi_mlx.ops.mla_attention import mla_attention
 from kimi_mlx.ops.mla_attention_metal import decode_threadgroup_bytes, mla_attention_metal
 

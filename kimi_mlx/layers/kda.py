@@ -3,24 +3,26 @@
 Parameter names follow mlx-lm's ``kimi_linear`` (so LoRA adapters carry over), except the three depthwise convs,
 which are fused into one ``qkv_conv.weight: [3*H*D, K]`` (column K-1 multiplies the current token).
 Kimi-K3 variants: a full-rank output gate ``g_proj`` instead of ``g_a_proj``/``g_b_proj``, and the lower-bound decay
-gate (``kda_decay``).
+gate (``kimi_mlx.ops.kda_gates.kda_decay``).
+
+Shapes: ``B`` batch, ``T`` tokens, ``H`` heads of size ``D`` (Dk = Dv = D), ``K`` the short-conv width.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KDACache
 from ..config import KimiConfig
-from ..ops.kda import kda_decay, kda_gated, l2_normalize
+from ..ops.kda import kda_gated
 
-__all__ = ["KimiDeltaAttention", "kda_decay", "l2_normalize", "short_conv"]
+__all__ = ["KDACoreParams", "KDAProjections", "KimiDeltaAttention", "short_conv"]
 
 
-@mx.compile  # fuses the K shifted multiply-adds: ~2x faster prefill conv on the CPU backend
+@mx.compile  # fuses the K shifted multiply-adds into one kernel
 def short_conv(x: mx.array, weight: mx.array, state: mx.array) -> tuple[mx.array, mx.array]:
     """Causal depthwise conv + SiLU.
 
@@ -35,6 +37,29 @@ def short_conv(x: mx.array, weight: mx.array, state: mx.array) -> tuple[mx.array
     for i in range(K - 1):
         y = y + u[:, i : i + T].astype(mx.float32) * w[:, i]
     return nn.silu(y).astype(x.dtype), u[:, T:]
+
+
+class KDACoreParams(NamedTuple):
+    """A KDA layer's weights and sizes as ``_kda_core`` reads them: arrays and Python constants, a tree that
+    ``mx.compile`` takes (a frozen dataclass is not; the constants become part of the compiled graph's key)."""
+
+    conv_weight: mx.array  # [3*H*D, K] fused q|k|v depthwise conv, column K-1 multiplies the current token
+    A_log: mx.array  # [H]
+    dt_bias: mx.array  # [H*D]
+    norm_weight: mx.array  # [D] gated RMSNorm weight
+    num_heads: int  # H
+    l2_eps: float  # eps inside the sqrt of the q/k L2 norm
+    norm_eps: float  # RMSNorm eps
+    lower_bound: Optional[float]  # None: softplus decay gate; K3: lb < 0 (``kda_decay``)
+
+
+class KDAProjections(NamedTuple):
+    """One call's input projections, ``x`` -> what ``_kda_core`` reads."""
+
+    qkv: mx.array  # [B, T, 3*H*D] projected q|k|v, zeroed at masked steps
+    f: mx.array  # [B, T, H*D] decay projection f_b(f_a(x))
+    b: mx.array  # [B, T, H] beta logits
+    gate: mx.array  # [B, T, H*D] output-gate logits
 
 
 class KimiDeltaAttention(nn.Module):
@@ -74,6 +99,13 @@ class KimiDeltaAttention(nn.Module):
             return self.qkv_proj(x)
         return mx.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
 
+    def _core_params(self) -> KDACoreParams:
+        """This layer's weights and sizes as ``_kda_core`` reads them (read at each call: adapters may change them)."""
+        return KDACoreParams(
+            self.qkv_conv.weight, self.A_log, self.dt_bias, self.o_norm.weight,
+            self.num_heads, self.l2_eps, self.o_norm.eps, self.lower_bound,
+        )  # fmt: skip
+
     def _gate(self, x: mx.array) -> mx.array:
         if "g_proj" in self:
             return self.g_proj(x)
@@ -91,25 +123,10 @@ class KimiDeltaAttention(nn.Module):
             conv_state = mx.zeros((B, self.conv_kernel - 1, qkv.shape[-1]), dtype=qkv.dtype)
         if state is None:
             state = mx.zeros((B, self.num_heads, self.head_dim, self.head_dim), dtype=mx.float32)
+        proj = KDAProjections(qkv, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self._gate(x))
         # One decode step without padding runs as a single compiled graph (fewer, fused kernels).
         core = _kda_core_compiled if T == 1 and mask is None else _kda_core
-        o, conv_state, state = core(
-            qkv,
-            conv_state,
-            state,
-            self.f_b_proj(self.f_a_proj(x)),
-            self.b_proj(x),
-            self._gate(x),
-            self.qkv_conv.weight,
-            self.A_log,
-            self.dt_bias,
-            self.o_norm.weight,
-            mask,
-            self.num_heads,
-            self.l2_eps,
-            self.o_norm.eps,
-            self.lower_bound,
-        )
+        o, conv_state, state = core(self._core_params(), proj, conv_state, state, mask)
         if cache is not None:
             cache.conv_state, cache.recurrent_state = conv_state, state
             cache.advance(T)
@@ -117,47 +134,24 @@ class KimiDeltaAttention(nn.Module):
 
 
 def _kda_core(
-    qkv,
-    conv_state,
-    state,
-    f,
-    b,
-    gate,
-    conv_weight,
-    A_log,
-    dt_bias,
-    norm_weight,
-    mask,
-    H,
-    l2_eps,
-    norm_eps,
-    lower_bound,
-):
-    """Everything between the input projections and o_proj.
+    p: KDACoreParams, proj: KDAProjections, conv_state: mx.array, state: mx.array, mask: Optional[mx.array]
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Everything between the input projections and o_proj: short conv, KDA scan, gated RMSNorm.
 
-    qkv: [B, T, 3*H*D] projected q|k|v (zeroed at masked steps); conv_state: [B, K-1, 3*H*D]; state: [B, H, D, D]
-    float32; f: [B, T, H*D] f_b(f_a(x)); b: [B, T, H] beta logits; gate: [B, T, H*D] output-gate logits.
+    conv_state: [B, K-1, 3*H*D]; state: [B, H, D, D] float32; mask: [B, T] bool (True = real token) or None.
     Returns (o [B, T, H*D] float32, new conv_state, new state).
     """
-    B, T, _ = qkv.shape
-    qkv, conv_state = short_conv(qkv, conv_weight, conv_state)
+    B, T, _ = proj.qkv.shape
+    H = p.num_heads
+    qkv, conv_state = short_conv(proj.qkv, p.conv_weight, conv_state)
     q, k, v = (t.reshape(B, T, H, -1) for t in mx.split(qkv, 3, axis=-1))
     D = q.shape[-1]
     o, state = kda_gated(
-        q,
-        k,
-        v,
-        f.reshape(B, T, H, D),
-        b,
-        A_log,
-        dt_bias,
-        lower_bound=lower_bound,
-        l2_eps=l2_eps,
-        state=state,
-        mask=mask,
-    )
-    gate = mx.sigmoid(gate.astype(mx.float32)).reshape(B, T, H, D)
-    o = mx.fast.rms_norm(o.astype(mx.float32), norm_weight.astype(mx.float32), norm_eps) * gate
+        q, k, v, proj.f.reshape(B, T, H, D), proj.b, p.A_log, p.dt_bias,
+        lower_bound=p.lower_bound, l2_eps=p.l2_eps, state=state, mask=mask,
+    )  # fmt: skip
+    gate = mx.sigmoid(proj.gate.astype(mx.float32)).reshape(B, T, H, D)
+    o = mx.fast.rms_norm(o.astype(mx.float32), p.norm_weight.astype(mx.float32), p.norm_eps) * gate
     return o.reshape(B, T, H * D), conv_state, state
 
 

@@ -1,24 +1,27 @@
 """Chunked (WY/UT) KDA prefill as two Metal kernels per group of chunks (``metal_kernels/kda_chunked_*.metal``).
 
-Same semantics, shapes and numerics as ``kimi_mlx.ops.kda.kda_chunked`` (see that module's docstring):
+Same semantics, shapes and numerics as ``kimi_mlx.ops.kda_chunked.kda_chunked`` (see that module's docstring):
 
 - q, k, g: ``[B, T, H, Dk]``; v: ``[B, T, H, Dv]``; beta: ``[B, T, H]``; q/k/v in float32, float16 or bfloat16.
 - state: ``[B, H, Dv, Dk]`` float32 or None (zeros); mask: ``[B, T]`` bool or None (True = real token).
 - Returns ``(o [B, T, H, Dv] in v.dtype, final state [B, H, Dv, Dk] float32)``.
 
-Split of the work, per group of chunks (about ``kda.GROUP_ELEMS`` elements per intra-chunk buffer):
+Split of the work, per group of chunks (``kda_chunked.group_tokens``: about ``GROUP_ELEMS`` elements per intra-chunk
+buffer):
 
-- ``kda_chunked_prep``: one threadgroup per chunk computes what does not depend on the carried state (the quantities of
-  ``kda._intra_chunk``: ``[W; Q exp(G) - Aqk W]``, ``[U; Aqk U]``, ``K exp(G_C - G)``, ``exp(G_C)``) straight from the
-  ``[B, T, H, D]`` inputs in their own dtype, with padding and masking (g = 0, beta = 0) applied in place. Every decay
-  is a running product of ``exp(g <= 0)`` factors (never a difference of cumulative sums), safe at g = -1000.
+- ``kda_chunked_prep``: one threadgroup per chunk computes what does not depend on the carried state (the quantities
+  of ``kda_chunked.intra_chunk``: ``[W; Q exp(G) - Aqk W]``, ``[U; Aqk U]``, ``K exp(G_C - G)``, ``exp(G_C)``)
+  straight from the ``[B, T, H, D]`` inputs in their own dtype, with padding and masking (g = 0, beta = 0) applied in
+  place. Every decay is a running product of ``exp(g <= 0)`` factors (never a difference of cumulative sums), safe
+  at g = -1000.
 - ``kda_chunked_scan``: the part that is sequential across chunks (``S`` carried from chunk to chunk and the outputs
   that read it) on 8x8 SIMD-group matrices, writing ``o`` straight into ``[B, T, H, Dv]`` in v's dtype (zeros at
   masked tokens) and the final state.
 
 So a prompt costs two launches per group instead of one MLX step per chunk. Custom kernels have no VJP: the launch is
-wrapped in ``kimi_mlx.metal.with_reference_vjp``, so gradients through the op are the pure path's at the same inputs
-(the backward recomputes the pure forward; for training, ``kimi_mlx.metal.disabled()`` avoids that recomputation).
+wrapped in ``kimi_mlx.metal.with_reference_vjp``, so gradients through the op are those of ``kda_chunked`` at the same
+inputs and chunk size (the backward recomputes the pure forward; for training, ``kimi_mlx.metal.disabled()`` avoids
+that recomputation).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .. import metal
-from . import kda as _kda
+from .kda_chunked import group_tokens, kda_chunked
+from .kda_recurrent import prepare_scan
 
 __all__ = ["PREP_KERNEL", "SCAN_KERNEL", "kda_chunked_metal"]
 
@@ -39,7 +43,7 @@ _IO_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def _check(q: mx.array, k: mx.array, v: mx.array, chunk_size: int, simdgroups: int) -> int:
-    """Errors the kernels cannot handle, raised before any work (shapes themselves are checked by ``_prepare``);
+    """Errors the kernels cannot handle, raised before any work (shapes themselves are checked by ``prepare_scan``);
     returns the scan's SIMD-groups per threadgroup, capped at the Dv / 8 tiles there are."""
     Dk, Dv = q.shape[-1], v.shape[-1]
     if Dk % 32 or Dv % 32 or Dk == 0 or Dv == 0:
@@ -68,7 +72,8 @@ def kda_chunked_metal(
     beta: mx.array,
     state: mx.array | None = None,
     mask: mx.array | None = None,
-    chunk_size: int = _kda.DEFAULT_CHUNK_SIZE,
+    *,
+    chunk_size: int,
     simdgroups: int = 4,
 ) -> tuple[mx.array, mx.array]:
     """Chunked KDA on two Metal kernels per group of chunks (intra-chunk prep, inter-chunk scan); falls back to
@@ -87,9 +92,9 @@ def kda_chunked_metal(
     simdgroups = _check(q, k, v, C, simdgroups)
     prep, scan = metal.kernel(PREP_KERNEL), metal.kernel(SCAN_KERNEL)
     if scan is None:
-        return _kda.kda_chunked(q, k, v, g, beta, state=state, mask=mask, chunk_size=C)
+        return kda_chunked(q, k, v, g, beta, state=state, mask=mask, chunk_size=C)
     # Validation, zero default state, bool mask (the float32 copies of q/k/v it also returns are never evaluated).
-    state, mask = _kda._prepare(q, k, v, g, beta, state, mask)[5:]
+    state, mask = prepare_scan(q, k, v, g, beta, state, mask)[5:]
     B, T, H, _ = q.shape
     if T == 0:
         return mx.zeros((B, 0, H, v.shape[-1]), dtype=v.dtype), state
@@ -98,7 +103,7 @@ def kda_chunked_metal(
         return _launch(prep, scan, q, k, v, g, beta, state, mask, C, simdgroups)
 
     def pure(q, k, v, g, beta, state):
-        return _kda.kda_chunked(q, k, v, g, beta, state=state, mask=mask, chunk_size=C)
+        return kda_chunked(q, k, v, g, beta, state=state, mask=mask, chunk_size=C)
 
     # Kernels have no VJP of their own: the gradient is the pure path's, taken at the same inputs (its forward is
     # recomputed in the backward pass), so training through this op is correct, just not accelerated.
@@ -117,7 +122,7 @@ def _launch(prep, scan, q, k, v, g, beta, state, mask, C: int, simdgroups: int) 
     if mask is None:
         mask = mx.ones((B, T), dtype=mx.bool_)
     # Tokens per pair of launches (a multiple of C): bounds the intra-chunk buffers like the pure path does.
-    per_group = max(1, _kda.GROUP_ELEMS // (B * H * max(Dk, Dv) * C)) * C
+    per_group = group_tokens(B, H, Dk, Dv, C)
     prep_template = [("QT", q.dtype), ("KT", k.dtype), ("VT", v.dtype), ("C", C), ("Dk", Dk), ("Dv", Dv), ("H", H)]
     scan_template = [("OutT", v.dtype), ("C", C), ("Dk", Dk), ("Dv", Dv), ("H", H)]
     outs = []
