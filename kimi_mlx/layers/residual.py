@@ -2,7 +2,7 @@
 
 Two kinds, one protocol (every decoder layer maps ``(stream, mask, cache) -> stream``, updating it in place):
 
-- ``ResidualSum`` (Kimi Linear; Kimi-K3 without AttnRes): ``h`` [B, T, d]; each sublayer adds its output.
+- ``ResidualSum`` (Kimi Linear; Kimi-K3 without AttnRes): ``h`` [B, T, d], to which each sublayer adds its output.
 - ``AttnResStream`` (Kimi-K3's cross-layer attention residuals, spec §2.3): the completed block snapshots ``raw``
   [K, B, T, d] with their ``inv_rms`` [K, B, T, 1] float32, and the running ``partial`` sum [B, T, d] of the current
   block. A sublayer's input is a ``ResidualMix`` of snapshots and partial sum (softmax over depth); the first layer of
@@ -37,15 +37,12 @@ class Boundary:
 
 
 class ResidualSum:
-    """The plain residual stream ``h`` [B, T, d]; ``dtype``: h's dtype at the first layer (messages travel in it)."""
+    """The plain residual stream ``h`` [B, T, d] (each layer adds its sublayers' outputs to it); ``dtype``: h's dtype
+    at the first layer (messages travel in it)."""
 
     def __init__(self, h: mx.array):
         self.h = h
         self.dtype = h.dtype
-
-    def add(self, y: mx.array) -> None:
-        """h += y [B, T, d] (a sublayer's output)."""
-        self.h = self.h + y
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -41,8 +41,8 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, stream: ResidualSum, mask, cache=None) -> ResidualSum:
         """mask: the KDA or MLA mask of ``layer_masks``; cache: this layer's cache or None."""
-        stream.add(self.self_attn(self.input_layernorm(stream.h), mask, cache))
-        stream.add(self.mlp(self.post_attention_layernorm(stream.h)))
+        h = stream.h + self.self_attn(self.input_layernorm(stream.h), mask, cache)
+        stream.h = h + self.mlp(self.post_attention_layernorm(h))
         return stream
 
 
