@@ -336,7 +336,7 @@ def profile_targets(which: str, k3: bool = False) -> list[tuple[object, str, str
         import kimi_mlx.layers.kda as kda_layer
         import kimi_mlx.layers.moe as moe_layer
         from kimi_mlx.layers.mla import KimiMLA
-        from kimi_mlx.models.kimi_k3 import ResidualMix
+        from kimi_mlx.layers.residual import ResidualMix
 
         scan, experts, ml = (kda_layer, "kda_gated"), (moe_layer, "switch_glu"), None
         classes = (kda_layer.KimiDeltaAttention, KimiMLA, moe_layer.SparseMoE, moe_layer.MLP)

@@ -383,9 +383,9 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "pipeline: a K3 stage drops the AttnRes blocks it receives with the hidden state",
-        (("kimi_mlx/parallel/pipeline.py",
-          "        blocks.raw, blocks.inv_rms = packed[:-1], inv_rms(packed[:-1], blocks.eps)",
-          "        blocks.raw = blocks.inv_rms = None"),),
+        (("kimi_mlx/layers/residual.py",
+          "        return cls(message[-1], boundary.eps, message[:-1])",
+          "        return cls(message[-1], boundary.eps)"),),
         ("tests/test_parallel_pipeline.py::test_two_ranks_match_one_process",),
     ),
     PlantedBug(

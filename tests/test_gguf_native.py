@@ -179,12 +179,12 @@ def _residual_dtypes(model, ids: mx.array) -> list:
     from kimi_mlx.models.kimi_linear import layer_masks
 
     text = model.model
-    h = text.embed_tokens(ids)
-    kda_mask, attn_mask = layer_masks(h.shape[1], None)
-    dtypes = [h.dtype]
+    stream = text.new_stream(text.embed_tokens(ids))
+    kda_mask, attn_mask = layer_masks(ids.shape[1], None)
+    dtypes = [stream.h.dtype]
     for layer in text.layers:
-        h = layer(h, kda_mask if layer.is_linear else attn_mask, None)
-        dtypes.append(h.dtype)
+        stream = layer(stream, kda_mask if layer.is_linear else attn_mask, None)
+        dtypes.append(stream.h.dtype)
     return dtypes
 
 

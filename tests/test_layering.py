@@ -43,10 +43,6 @@ MATH_USERS = ("kimi_mlx.models", "kimi_mlx.layers", "kimi_mlx.ops", "kimi_mlx.lo
               "kimi_mlx.parallel.plan", "kimi_mlx.tuner")
 METAL_USERS = ("kimi_mlx.ops", "kimi_mlx.metal")
 
-# Known violations that other branches of the same change remove; the lead empties this set after merging them.
-PENDING = {
-    ("kimi_mlx.parallel.pipeline", "kimi_mlx.ops.attn_res"),
-}
 
 
 def _package_files() -> dict[str, tuple[Path, bool]]:
@@ -162,15 +158,8 @@ def test_every_module_has_a_floor():
 
 def test_no_upward_imports_and_no_circles(edges):
     """No import goes up a floor, reaches into layers/ or ops/ from outside their users, or names Metal outside
-    ops/; no circles. PENDING lists the violations still being removed."""
-    assert _violations(edges - PENDING) == []
-
-
-def test_pending_violations_are_still_there(edges):
-    """Each PENDING entry is an import the package still has and that breaks a rule (drop the ones fixed)."""
-    for edge in sorted(PENDING):
-        assert edge in edges, f"{edge} is gone: remove it from PENDING"
-        assert _violations(edges) != _violations(edges - {edge}), f"{edge} breaks no rule: remove it from PENDING"
+    ops/; no circles."""
+    assert _violations(edges) == []
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):

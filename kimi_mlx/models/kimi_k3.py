@@ -8,6 +8,7 @@ Parameter paths follow the official checkpoint and mlx-lm's ``kimi_k3``: ``langu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import mlx.core as mx
@@ -15,52 +16,13 @@ import mlx.nn as nn
 
 from ..config import KimiConfig
 from ..convert.hf import kimi_k3_to_mlx
-from ..ops.attn_res import attn_res_mix, attn_res_mix_scored, inv_rms
-from .kimi_linear import DecoderLayer, KimiLinearModel, Model, layer_masks
-
-
-class Snapshots:
-    """The completed AttnRes blocks of one forward pass, stacked: ``raw`` [K, B, T, d] and their ``inv_rms``
-    [K, B, T, 1] float32, computed once when a block is stored (only the running partial sum is new at each mix
-    point; the stacked layout is what the Metal mix kernel reads, without a copy per mix)."""
-
-    def __init__(self, eps: float):
-        self.eps = eps
-        self.raw: Optional[mx.array] = None
-        self.inv_rms: Optional[mx.array] = None
-
-    def append(self, x: mx.array) -> None:
-        r = inv_rms(x, self.eps)
-        if self.raw is None:
-            self.raw, self.inv_rms = x[None], r[None]
-        else:
-            self.raw = mx.concatenate([self.raw, x[None]])
-            self.inv_rms = mx.concatenate([self.inv_rms, r[None]])
-
-    def __bool__(self) -> bool:
-        return self.raw is not None
-
-
-class ResidualMix(nn.Module):
-    """One AttnRes mix point: weightless RMSNorm of each source, scored by norm.weight * proj.weight."""
-
-    def __init__(self, hidden: int, eps: float):
-        super().__init__()
-        self.norm = nn.RMSNorm(hidden, eps=eps)
-        self.proj = nn.Linear(hidden, 1, bias=False)
-
-    def __call__(self, blocks: Snapshots, partial: mx.array) -> mx.array:
-        eps = self.norm.eps
-        w_n = self.norm.weight.astype(mx.float32)
-        if type(self.proj) is nn.Linear:  # a plain projection: fold both weights into one score vector
-            w_eff = w_n * self.proj.weight[0].astype(mx.float32)
-            return attn_res_mix(blocks.raw, blocks.inv_rms, partial, w_eff, eps)
-        # a wrapped projection (e.g. LoRA) is called, never read
-        return attn_res_mix_scored(blocks.raw, blocks.inv_rms, partial, lambda k: self.proj(k * w_n), eps)
+from ..layers.residual import AttnResStream, Boundary, ResidualMix
+from .kimi_linear import DecoderLayer, KimiLinearModel, Model
 
 
 class K3DecoderLayer(DecoderLayer):
-    """Decoder layer whose residual stream is AttnRes over block snapshots (spec §2.3)."""
+    """Decoder layer on an ``AttnResStream`` (spec §2.3): each sublayer reads a ``ResidualMix`` of the block snapshots
+    and the partial sum; the first layer of a block (``block_start``) stores the partial sum as a snapshot."""
 
     def __init__(self, cfg: KimiConfig, index: int, fused_qkv: bool = False):
         super().__init__(cfg, index, fused_qkv)
@@ -68,37 +30,42 @@ class K3DecoderLayer(DecoderLayer):
         self.self_attention_res = ResidualMix(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp_res = ResidualMix(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def __call__(self, blocks: Snapshots, partial: mx.array, mask, cache=None) -> mx.array:
-        """blocks: completed snapshots (appended to in place at a block start); partial: running sum [B, T, d]."""
-        x = self.self_attention_res(blocks, partial) if blocks else partial
-        if self.block_start:
-            blocks.append(partial)
-        a = self.self_attn(self.input_layernorm(x), mask, cache)
-        partial = a if self.block_start else partial + a
-        x = self.mlp_res(blocks, partial)
-        return partial + self.mlp(self.post_attention_layernorm(x))
+    def __call__(self, stream: AttnResStream, mask, cache=None) -> AttnResStream:
+        """mask: the KDA or MLA mask of ``layer_masks``; cache: this layer's cache or None."""
+        x = stream.mix(self.self_attention_res)
+        stream.add(self.self_attn(self.input_layernorm(x), mask, cache), new_block=self.block_start)
+        stream.add(self.mlp(self.post_attention_layernorm(stream.mix(self.mlp_res))))
+        return stream
 
 
 class K3TextModel(KimiLinearModel):
+    """Kimi-K3's text model with AttnRes (``attn_res_block_size`` set): ``K3DecoderLayer``s on an ``AttnResStream``,
+    whose final hidden state is the ``output_attn_res`` mix. Without AttnRes, K3's text model is ``KimiLinearModel``
+    (its layers take K3's features from the config)."""
+
+    layer_class = K3DecoderLayer
+
     def __init__(self, cfg: KimiConfig, fused_qkv: bool = False):
         super().__init__(cfg, fused_qkv)
-        if cfg.attn_res_block_size is not None:
-            self.layers = [K3DecoderLayer(cfg, i, fused_qkv) for i in range(cfg.num_hidden_layers)]
-            self.output_attn_res = ResidualMix(cfg.hidden_size, cfg.rms_norm_eps)
+        self.output_attn_res = ResidualMix(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_res_eps = cfg.rms_norm_eps
 
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None) -> mx.array:
-        if "output_attn_res" not in self:
-            return super().__call__(inputs, cache, input_embeddings)
-        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
-        kda_mask, attn_mask = layer_masks(h.shape[1], cache)
-        blocks = Snapshots(self.output_attn_res.norm.eps)  # at most num_layers / block_size live in a forward
-        for layer, layer_cache in zip(self.layers, cache or [None] * len(self.layers)):
-            h = layer(blocks, h, kda_mask if layer.is_linear else attn_mask, layer_cache)
-        return self.norm(self.output_attn_res(blocks, h))
+    def new_stream(self, h: mx.array) -> AttnResStream:
+        return AttnResStream(h, self.attn_res_eps)
+
+    def final_hidden(self, stream: AttnResStream) -> mx.array:
+        return stream.mix(self.output_attn_res)
+
+    def boundary(self, start: int) -> Boundary:
+        blocks = sum(layer.block_start for layer in self.layers[:start])
+        return replace(super().boundary(start), stream_type=AttnResStream, blocks=blocks, eps=self.attn_res_eps)
 
 
 class K3LanguageModel(Model):
-    text_model = K3TextModel
+    @staticmethod
+    def text_model(cfg: KimiConfig, fused_qkv: bool = False) -> KimiLinearModel:
+        """``K3TextModel`` when the config sets ``attn_res_block_size``, else ``KimiLinearModel``."""
+        return (KimiLinearModel if cfg.attn_res_block_size is None else K3TextModel)(cfg, fused_qkv)
 
 
 class K3Model(nn.Module):

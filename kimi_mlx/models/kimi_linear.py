@@ -20,12 +20,13 @@ from ..layers.kda import KimiDeltaAttention
 from ..layers.mla import KimiMLA
 from ..layers.moe import MLP, SparseMoE, make_activation
 from ..layers.norm import RMSNorm
+from ..layers.residual import Boundary, ResidualSum, Stream
 from ..ops.mla_attention import LeftPaddedCausal, Mask
 from ..validation import check_token_ids
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h = x + mixer(norm(x)); out = h + ffn(norm(h))."""
+    """Pre-norm block on a ``ResidualSum``: h += mixer(norm(h)); h += ffn(norm(h))."""
 
     def __init__(self, cfg: KimiConfig, index: int, fused_qkv: bool = False):
         super().__init__()
@@ -38,9 +39,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x: mx.array, mask: Optional[mx.array], cache=None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def __call__(self, stream: ResidualSum, mask, cache=None) -> ResidualSum:
+        """mask: the KDA or MLA mask of ``layer_masks``; cache: this layer's cache or None."""
+        h = stream.h + self.self_attn(self.input_layernorm(stream.h), mask, cache)
+        stream.h = h + self.mlp(self.post_attention_layernorm(h))
+        return stream
 
 
 def attention_mask(T: int, offset: int, left_padding: Optional[mx.array]) -> Mask:
@@ -60,18 +63,53 @@ def layer_masks(T: int, cache) -> tuple[Optional[mx.array], Optional[mx.array]]:
 
 
 class KimiLinearModel(nn.Module):
+    """Embedding, decoder layers, final norm.
+
+    ``__call__`` is the one forward loop of every text model and pipeline stage: ``enter`` starts the residual stream,
+    each layer maps ``(stream, mask, cache) -> stream``, ``leave`` ends it with the hidden state before the final norm.
+    A text model with another residual stream (Kimi-K3's AttnRes) sets ``layer_class`` and overrides ``new_stream``,
+    ``final_hidden`` and ``boundary``; a pipeline stage (``parallel.pipeline``) overrides ``enter`` and ``leave``.
+    """
+
+    layer_class = DecoderLayer
+
     def __init__(self, cfg: KimiConfig, fused_qkv: bool = False):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = [DecoderLayer(cfg, i, fused_qkv) for i in range(cfg.num_hidden_layers)]
+        self.layers = [self.layer_class(cfg, i, fused_qkv) for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None) -> mx.array:
-        h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
-        kda_mask, attn_mask = layer_masks(h.shape[1], cache)
+        """inputs [B, T] token ids, or input_embeddings [B, T, hidden] in their place; cache: one per layer or None
+        -> the normed final hidden state [B, T, hidden]."""
+        T = (inputs if input_embeddings is None else input_embeddings).shape[1]
+        stream = self.enter(inputs, input_embeddings)
+        kda_mask, attn_mask = layer_masks(T, cache)
         for layer, layer_cache in zip(self.layers, cache or [None] * len(self.layers)):
-            h = layer(h, kda_mask if layer.is_linear else attn_mask, layer_cache)
-        return self.norm(h)
+            stream = layer(stream, kda_mask if layer.is_linear else attn_mask, layer_cache)
+        return self.norm(self.leave(stream, cache))
+
+    def enter(self, inputs: mx.array, input_embeddings: Optional[mx.array]) -> Stream:
+        """The residual stream before the first layer: ``inputs`` embedded, or ``input_embeddings``."""
+        return self.new_stream(self.embed_tokens(inputs) if input_embeddings is None else input_embeddings)
+
+    def leave(self, stream: Stream, cache) -> mx.array:
+        """The hidden state [B, T, hidden] after the last layer (``cache``: the layers' caches)."""
+        return self.final_hidden(stream)
+
+    def new_stream(self, h: mx.array) -> Stream:
+        """The residual stream that starts with h [B, T, hidden]."""
+        return ResidualSum(h)
+
+    def final_hidden(self, stream: Stream) -> mx.array:
+        """The stream's hidden state after the last layer [B, T, hidden], before the final norm."""
+        return stream.h
+
+    def boundary(self, start: int) -> Boundary:
+        """The residual stream entering layer ``start`` (what a pipeline stage starting there receives). The dtype is
+        the embedding's output dtype (lazy: nothing is evaluated)."""
+        dtype = self.embed_tokens(mx.zeros((1, 1), mx.int32)).dtype
+        return Boundary(ResidualSum, self.norm.weight.shape[0], dtype)
 
 
 class Model(nn.Module):

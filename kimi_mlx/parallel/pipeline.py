@@ -4,11 +4,13 @@
     model = stages.apply(model)                                      # this rank's stage (a module swap)
 
 Forward on rank r (every rank calls ``model(inputs, cache)`` with the same inputs, in lockstep):
-rank 0 embeds; rank r > 0 receives ``h: [B, T, hidden]`` from r - 1 (for Kimi-K3 packed after the completed AttnRes
-block snapshots: ``[K + 1, B, T, hidden]``, K = blocks stored before the rank's first layer), runs its layers with
-its part of the cache and sends to r + 1 (ring neighbours only). The last rank applies K3's ``output_attn_res``; its
-final hidden state reaches every rank with one ``all_sum`` (the other ranks add zeros: exact), and every rank applies
-the replicated final norm and head, so ``model(...)`` returns the full logits ``[B, T, vocab]`` everywhere.
+rank 0 embeds; rank r > 0 receives the residual stream from r - 1 as one array (``h: [B, T, hidden]``; for
+Kimi-K3's AttnRes the completed block snapshots, then the partial sum: ``[K + 1, B, T, hidden]``, K = blocks stored
+before the rank's first layer; see ``layers/residual.py``), runs the text model's own forward loop over its layers
+with its part of the cache and sends the stream to r + 1 (ring neighbours only). The last rank ends the stream (K3:
+its ``output_attn_res`` mix); its final hidden state reaches every rank with one ``all_sum`` (the other ranks add
+zeros: exact), and every rank applies the replicated final norm and head, so ``model(...)`` returns the full logits
+``[B, T, vocab]`` everywhere.
 ``model.make_cache()`` covers the rank's layers only, so ``generate`` / ``batch_generate`` / ``ChatSession`` run
 unchanged on every rank.
 
@@ -24,6 +26,7 @@ rank only. A stage numbers its layers from 0 (``model.layers.0`` is global layer
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -32,9 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..models.kimi_k3 import K3TextModel, Snapshots
-from ..models.kimi_linear import KimiLinearModel, Model, layer_masks
-from ..ops.attn_res import inv_rms
+from ..models.kimi_linear import Model
 from ..ops.memory import usable_memory
 from . import comm
 from .plan import pipeline_ranges
@@ -108,89 +109,62 @@ class Stages:
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Turn ``model`` (weights lazy or loaded) into this rank's stage, in place: keep the rank's layers, drop the
-        modules ``select`` rejects, swap the text model's class for its pipeline stage. Returns ``model``."""
+        modules ``select`` rejects, mix ``PipelineStage`` into the text model's class. Returns ``model``."""
         lm = _language_model(model)
         text = lm.model
-        stage_class = _STAGES.get(type(text))
-        if stage_class is None:
-            raise TypeError(f"{type(text).__name__}: no pipeline stage for this text model")
         if "lm_head" not in lm and not self.tied:
             raise ValueError("the model's head is its embedding (tied), but the split was made with tied=False")
         if len(text.layers) != self.ranges[-1].stop:
             raise ValueError(f"split covers {self.ranges[-1].stop} layers; the model has {len(text.layers)}")
-        res_eps = text.output_attn_res.norm.eps if "output_attn_res" in text else None
-        inbound = Boundary(
-            hidden=text.norm.weight.shape[0],
-            dtype=text.embed_tokens(mx.zeros((1, 1), mx.int32)).dtype,  # lazy: nothing is evaluated
-            blocks=sum(layer.block_start for layer in text.layers[: self.layers.start]) if res_eps is not None else 0,
-            eps=res_eps,
-        )
+        inbound = text.boundary(self.layers.start)
         text.layers = text.layers[self.layers.start : self.layers.stop]
-        if not self.select("model.embed_tokens.weight"):
-            del text.embed_tokens
-        if res_eps is not None and not self.last:
-            del text.output_attn_res
-        text.__class__ = stage_class
+        for name in [name for name in text.children() if not self.select(f"model.{name}.")]:
+            del text[name]
+        text.__class__ = _stage_class(type(text))
         text.stages, text.inbound = self, inbound
         return model
 
 
-@dataclass(frozen=True)
-class Boundary:
-    """What a stage receives: h [B, T, hidden] of ``dtype`` (the embedding's output dtype), with AttnRes after the
-    ``blocks`` snapshots completed before the stage's first layer (``eps``: their RMSNorm epsilon; None: no AttnRes)."""
+class PipelineStage:
+    """One rank's part of a text model (mixed into its class by ``Stages.apply``); see the module docstring. The text
+    model's forward loop runs unchanged; ``enter`` receives the residual stream, ``leave`` sends it or ends it.
 
-    hidden: int
-    dtype: mx.Dtype
-    blocks: int
-    eps: Optional[float]
-
-
-class PipelineStage(KimiLinearModel):
-    """One rank's part of the text model (set up by ``Stages.apply``); see the module docstring.
-
-    Attributes: ``stages`` (the split) and ``inbound`` (the ``Boundary``).
+    Attributes: ``stages`` (the split) and ``inbound`` (the ``Boundary`` of the rank's first layer).
     """
 
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None) -> mx.array:
-        """inputs: [B, T] token ids (or input_embeddings [B, T, hidden], used by rank 0) -> normed final hidden
-        [B, T, hidden], identical on every rank."""
-        stages, inbound = self.stages, self.inbound
+    def enter(self, inputs: mx.array, input_embeddings: Optional[mx.array]):
+        """Rank 0: the text model's own stream (``inputs`` [B, T] embedded, or ``input_embeddings`` [B, T, hidden]);
+        rank r > 0: the stream received from r - 1, in the embedding's dtype (or that of ``input_embeddings``)."""
         _LOCKSTEP.schedule_previous()
+        if self.stages.rank == 0:
+            return super().enter(inputs, input_embeddings)
         B, T = (inputs if input_embeddings is None else input_embeddings).shape[:2]
-        dtype = inbound.dtype if input_embeddings is None else input_embeddings.dtype
-        blocks = None if inbound.eps is None else Snapshots(inbound.eps)
-        if stages.rank == 0:
-            h = self.embed_tokens(inputs) if input_embeddings is None else input_embeddings
-        else:
-            h = self._receive((B, T, inbound.hidden), dtype, blocks)
-        kda_mask, attn_mask = layer_masks(T, cache)
-        for layer, layer_cache in zip(self.layers, cache or [None] * len(self.layers)):
-            mask = kda_mask if layer.is_linear else attn_mask
-            h = layer(h, mask, layer_cache) if blocks is None else layer(blocks, h, mask, layer_cache)
+        dtype = self.inbound.dtype if input_embeddings is None else input_embeddings.dtype
+        stream_type = self.inbound.stream_type
+        shape = stream_type.message_shape(self.inbound, B, T)
+        message = comm.recv(shape, dtype, self.stages.rank - 1, self.stages.group)
+        return stream_type.from_message(message, self.inbound)
+
+    def leave(self, stream, cache) -> mx.array:
+        """The final hidden state [B, T, hidden], identical on every rank: the last rank's, summed with zeros from the
+        others (which send their stream to the next rank first)."""
+        stages = self.stages
         if stages.last:
-            share = (h if blocks is None else self.output_attn_res(blocks, h)).astype(dtype)
+            share = super().leave(stream, cache).astype(stream.dtype)
         else:
-            share = mx.depends(mx.zeros(h.shape, dtype), self._send(h.astype(dtype), blocks))
+            sent = comm.send(stream.message(), stages.rank + 1, stages.group)
+            share = mx.depends(mx.zeros(stream.shape, stream.dtype), sent)
         shared = comm.all_sum(share, stages.group)
         if cache:
             cache[-1].depend_on(shared)  # evaluating the cache (a chunked prefill) runs the communication
         _LOCKSTEP.previous = shared
-        return self.norm(shared)
+        return shared
 
-    def _receive(self, shape: tuple, dtype: mx.Dtype, blocks: Optional[Snapshots]) -> mx.array:
-        """h [B, T, hidden] from the previous rank; with AttnRes also the K completed snapshots before it."""
-        src, group = self.stages.rank - 1, self.stages.group
-        if blocks is None:
-            return comm.recv(shape, dtype, src, group)
-        packed = comm.recv((self.inbound.blocks + 1, *shape), dtype, src, group)
-        blocks.raw, blocks.inv_rms = packed[:-1], inv_rms(packed[:-1], blocks.eps)
-        return packed[-1]
 
-    def _send(self, h: mx.array, blocks: Optional[Snapshots]) -> mx.array:
-        """Send h [B, T, hidden] (after the snapshots [K, B, T, hidden] with AttnRes) to the next rank."""
-        msg = h if blocks is None else mx.concatenate([blocks.raw.astype(h.dtype), h[None]])
-        return comm.send(msg, self.stages.rank + 1, self.stages.group)
+@functools.cache
+def _stage_class(text_class: type) -> type:
+    """``text_class`` with ``PipelineStage`` mixed in (made once per class)."""
+    return type(text_class.__name__ + "Stage", (PipelineStage, text_class), {"__doc__": PipelineStage.__doc__})
 
 
 class _Lockstep:
@@ -211,10 +185,3 @@ class _Lockstep:
 
 
 _LOCKSTEP = _Lockstep()
-
-
-class K3PipelineStage(PipelineStage, K3TextModel):
-    """Kimi-K3's text model as a pipeline stage (AttnRes snapshots travel with the hidden state)."""
-
-
-_STAGES = {KimiLinearModel: PipelineStage, K3TextModel: K3PipelineStage}
