@@ -44,7 +44,6 @@ MATH_USERS = ("kimi_mlx.models", "kimi_mlx.layers", "kimi_mlx.ops", "kimi_mlx.lo
 METAL_USERS = ("kimi_mlx.ops", "kimi_mlx.metal")
 
 
-
 def _package_files() -> dict[str, tuple[Path, bool]]:
     """Module name -> (file, is a package ``__init__``) for every ``.py`` of the installed package. Sub-packages that
     the install maps from elsewhere (``kimi_mlx.convert`` from ``convert/`` in a source checkout) are found by their
