@@ -28,7 +28,7 @@ only the last ``max_checkpoints`` are kept (older ones are released and cannot b
 ``make_cache(..., kv_bits=8 or 4, kv_group_size=32/64/128)`` gives MLA layers a ``QuantizedMLALatentCache``: each
 latent part (``kv_latent``, ``k_pe``) stored as ``mx.quantize`` lays it out (affine: uint32-packed codes, one scale
 and one bias per group in the model dtype), a part whose width the group does not divide stays float; what
-``parallel.plan.cache_bytes(..., kv_bits, kv_group_size)`` counts. ``MLALatentCache.to_quantized`` converts a float
+``parallel.accounting.cache_bytes(..., kv_bits, kv_group_size)`` counts. ``MLALatentCache.to_quantized`` converts a float
 cache (mlx-lm's ``maybe_quantize_kv_cache`` calls it: ``quantized_kv_start``).
 
 For serving many sequences: ``cache.snapshot(row)`` takes one sequence's whole cache out (a ``CacheSnapshot``, to

@@ -21,7 +21,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .config import ConfigError, KimiConfig
-from .convert.gguf.arch import FLOAT_TYPES, build_config, decode_float, plan_tensors
+from .convert.gguf.arch import build_config, decode_float, gguf_storage, plan_tensors
 from .convert.gguf.quant import to_mlx
 from .convert.gguf.reader import GGUFFile, GGUFFormatError, TensorInfo
 from .convert.gguf.tokenizer import load_gguf_tokenizer
@@ -375,16 +375,16 @@ def load_gguf_model(
         bar.update(info.raw().nbytes)
         path = param.rsplit(".", 1)[0]
         module = modules.get(path)
-        quantized = (
-            keep_quantized and info.type_name not in FLOAT_TYPES and param.endswith(".weight")
-            and module is not None and quantizable(path, module)
+        storage = gguf_storage(
+            info.type_name, keep_quantized and param.endswith(".weight") and module is not None
+            and quantizable(path, module), module is not None and holds_ggml(module), requantize,
         )
-        if quantized and not requantize and info.type_name in GGML_FORMATS and holds_ggml(module):
+        if storage == "blocks":
             # no MLX layout: the file's blocks, as they are ([..., rows, row_bytes] uint8), computed exactly
             weights[param] = mx.array(np.asarray(info.raw()).reshape(*info.shape[:-1], -1))
             ggml_types[path] = info.type_name
             decoded.append(info)
-        elif quantized and (requantize or info.type_name not in GGML_FORMATS):
+        elif storage == "mlx":
             layout = to_mlx(info.name, info.qtype, info.raw(), tuple(info.shape), requantize=requantize,
                             scale_dtype=scale_dtype)
             if not layout["exact"]:
@@ -431,7 +431,7 @@ def load_gguf_model(
 def _gguf_layer_bytes(g: GGUFFile, dtype, quantize, scale_dtype, requantize: bool) -> list[int]:
     """Bytes of each decoder layer of a GGUF as ``load`` will hold it (from the header: what ``kimi-mlx plan``
     counts, so a memory-proportional pipeline split is the one it predicts)."""
-    from .parallel.plan import QuantSpec, account_gguf
+    from .parallel.accounting import QuantSpec, account_gguf
 
     spec = _quantization_spec(quantize)
     names = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}

@@ -553,9 +553,9 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "GGUF: block types (IQ*, Q6_K) are decoded to float instead of kept as blocks",
-        (("kimi_mlx/loading.py",
-          "        if quantized and not requantize and info.type_name in GGML_FORMATS and holds_ggml(module):",
-          "        if quantized and requantize and info.type_name in GGML_FORMATS and holds_ggml(module):"),),
+        (("convert/gguf/arch.py",
+          '        return "blocks" if holds_blocks else "float"  # a block type on a MultiLinear ([H, ...]) is decoded',
+          '        return "float"'),),
         ("tests/test_gguf_native.py::test_native_blocks_match_their_f32_twin",),
     ),
     PlantedBug(
@@ -678,7 +678,7 @@ BUGS: tuple[PlantedBug, ...] = (
     # -- memory on a Mac (issue 20 items 5 and 6)
     PlantedBug(
         "plan: a host's whole memory counted as its GPU working set",
-        (("kimi_mlx/parallel/plan.py", "        return default_working_set(int(self.memory_gib * GIB))\n",
+        (("kimi_mlx/parallel/cost.py", "        return default_working_set(int(self.memory_gib * GIB))\n",
           "        return int(self.memory_gib * GIB)\n"),),
         ("tests/test_parallel_plan.py::test_k3_on_four_macs_needs_the_wired_limit_raised",
          "tests/test_parallel_plan.py::test_cli_says_when_to_raise_the_wired_limit"),

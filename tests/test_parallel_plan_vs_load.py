@@ -14,7 +14,9 @@ from kimi_mlx.convert.gguf.reader import GGUFFile
 from kimi_mlx.loading import load_gguf_model, load_model
 from kimi_mlx.parallel import param_bytes
 from kimi_mlx.parallel.pipeline import Stages, layer_bytes
-from kimi_mlx.parallel.plan import Host, account_config, account_gguf, pipeline_ranges, plan_pipeline, plan_tensor
+from kimi_mlx.parallel.accounting import account_config, account_gguf
+from kimi_mlx.parallel.cost import Host, plan_pipeline, plan_tensor
+from kimi_mlx.parallel.splits import pipeline_ranges
 from kimi_mlx.parallel.shard import shard_model
 
 FIXTURES = {"kimi_linear": KL_FIXTURE / "hf", "kimi_k3": K3_FIXTURE / "hf"}
@@ -29,7 +31,7 @@ def native(tmp_path_factory) -> dict:
 
 
 def _plan_and_model(name: str, quant: str, native: dict):
-    from kimi_mlx.parallel.plan import QuantSpec
+    from kimi_mlx.parallel.accounting import QuantSpec
 
     if quant == "gguf-blocks":
         gguf = native[name]

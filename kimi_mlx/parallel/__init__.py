@@ -1,5 +1,6 @@
-"""Running one model across several processes / Macs with ``mx.distributed``: who holds what (``plan``), pipeline
-stages (``pipeline``), tensor + expert parallel module swaps (``shard``). Model files know nothing of this.
+"""Running one model across several processes / Macs with ``mx.distributed``: who holds what (``splits``), what
+it costs (``accounting``: bytes from the model's module tree; ``cost``: memory and speed per rank), pipeline stages
+(``pipeline``), tensor + expert parallel module swaps (``shard``). Model files know nothing of this.
 
 ``load(..., parallel=, group=, split=)`` uses this package in two steps: ``rank_share`` decides what this rank holds
 (``Share.select`` tells a loader which parameters to read at all), then ``Share.apply`` turns the built model into

@@ -38,7 +38,7 @@ from ..models.kimi_linear import KimiLinearModel, Model, layer_masks
 from ..ops.attn_res import inv_rms
 from ..ops.memory import usable_memory
 from . import comm
-from .plan import pipeline_ranges
+from .splits import pipeline_ranges
 
 Split = Union[None, str, Sequence[int]]
 _LAYER = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
