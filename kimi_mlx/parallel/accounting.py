@@ -27,7 +27,7 @@ from ..layers.ggml import holds_ggml
 from ..models.kimi_k3 import K3Model
 from ..models.kimi_linear import Model
 from .shard import COLS, TENSOR_SPLITS, Cut
-from .splits import TensorShare
+from .splits import WIDTHS, TensorShare
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9  # sizes are printed in GB = 1e9 bytes (as model files are sized)
@@ -201,18 +201,17 @@ class Accounting:
 
     def split_unit(self) -> int:
         """Intermediate widths split on multiples of this: the largest quantization group of a split MLP (1: float)."""
-        return max([self.group.get(p.name, 1) for p in self.params if p.split in ("ffn", "shared")] or [1])
+        return max([self.group.get(p.name, 1) for p in self.params if p.split in WIDTHS] or [1])
 
 
-def _account(cfg: KimiConfig, dtype: str, quantize: Optional[QuantSpec], stored: dict[str, Stored],
-             source: str) -> Accounting:
+def _account(cfg: KimiConfig, params: Sequence[Param], dtype: str, quantize: Optional[QuantSpec],
+             stored: dict[str, Stored], source: str) -> Accounting:
     """Bytes of every parameter: ``stored`` as given, else quantized on load by ``quantize`` (matrices whose input
     width the group size divides, like ``loading.quantize_model``; scales in ``dtype``), else float: ``dtype``, or
     float32 for what ``cast_predicate`` keeps."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPE_BYTES)}")
     size = DTYPE_BYTES[dtype]
-    params = tuple(parameters(cfg))
     nbytes, layout, group = {}, {}, {}
     for p in params:
         if p.name in stored:
@@ -225,7 +224,7 @@ def _account(cfg: KimiConfig, dtype: str, quantize: Optional[QuantSpec], stored:
             nbytes[p.name], layout[p.name] = p.numel * 4, "float32"
         else:
             nbytes[p.name], layout[p.name] = p.numel * size, dtype
-    return Accounting(cfg, params, nbytes, layout, group, size, source)
+    return Accounting(cfg, tuple(params), nbytes, layout, group, size, source)
 
 
 def account_config(raw: dict, source: str = "config.json", dtype: Optional[str] = None,
@@ -257,7 +256,7 @@ def account_config(raw: dict, source: str = "config.json", dtype: Optional[str] 
     if experts_mxfp4:
         stored.update({p.name: Stored(MXFP4.nbytes(p.shape, 0), MXFP4.group_size, MXFP4.label)
                        for p in params if p.expert})
-    return _account(cfg, dtype, quantize, stored, source)
+    return _account(cfg, params, dtype, quantize, stored, source)
 
 
 def _torch_dtype(raw: dict) -> str:
@@ -361,7 +360,7 @@ def account_gguf(path, dtype: Optional[str] = None, quantize: Optional[QuantSpec
             spec = QuantSpec(*mlx_layout(info.qtype, requantize))
             label = spec.label + ("" if spec.mode == "mxfp4" else f" ({scale_dtype} scales)")
             stored[name] = Stored(spec.nbytes(p.shape, scales), spec.group_size, f"{info.type_name} -> {label}")
-    return _account(cfg, dtype or "float32", quantize, stored, g.source)
+    return _account(cfg, params.values(), dtype or "float32", quantize, stored, g.source)
 
 
 def cache_bytes(cfg: KimiConfig, context: int, layers: Optional[Sequence[int]] = None,

@@ -1,6 +1,8 @@
 """Tensor + expert parallelism as module swaps on a built model: ``tensor_parallel(model, group)``.
 
-Each rank keeps its ``TensorShare`` (``plan.tensor_shares``) of every layer and computes that part of each block:
+Each rank keeps its ``TensorShare`` (``splits.tensor_shares``) of every layer and computes that part of each block,
+as ``TENSOR_SPLITS`` declares per block type (which children split on which ``TensorShare`` field and axis; the
+planner, ``parallel.accounting``, reads the same declaration):
 
 - KDA: its heads: rows of q/k/v (or the three segments of a fused ``qkv_proj``), of the short conv, ``f_b_proj``,
   ``b_proj`` and the output gate (``g_proj`` or ``g_b_proj``), and of ``A_log`` / ``dt_bias``; ``f_a_proj``,
@@ -14,8 +16,9 @@ Each rank keeps its ``TensorShare`` (``plan.tensor_shares``) of every layer and 
 
 Output projections keep the matching input columns, and the ranks' partial outputs are summed with one ``all_sum``
 per attention block and one per MLP / MoE block, so every rank carries the full hidden state and computes the full
-logits (embeddings, norms, AttnRes, router and head are replicated). A rank holding no part of a block (more ranks
-than heads or width units) adds zeros to that block's sum.
+logits (embeddings, norms, AttnRes, router and head are replicated, as is any child a declaration does not name). A
+rank holding no part of a block (more ranks than heads or width units) keeps its idle twin, which adds zeros to that
+block's sum.
 
 The sums of one model run in the order they are made, on every rank (``OrderedSum``).
 
@@ -310,9 +313,9 @@ class Cut:
     def ranges(self, held: range, cfg: KimiConfig) -> tuple[list[range], int]:
         """(the kept ranges along the axis, the axis' full size) for the rank's ``held`` items."""
         k = self.width(cfg)
-        part = SPLIT_SIZES[self.field](cfg) * k
-        return [range(s * part + held.start * k, s * part + held.stop * k) for s in range(self.segments)], \
-            self.segments * part
+        part = SPLIT_SIZES[self.field](cfg) * k  # one segment's full size
+        kept = [range(s * part + held.start * k, s * part + held.stop * k) for s in range(self.segments)]
+        return kept, self.segments * part
 
 
 @dataclass(frozen=True)
@@ -347,9 +350,12 @@ def _kda_split() -> BlockSplit:
 def _mla_split() -> BlockSplit:
     qk = Cut("mla_heads", ROWS, lambda c: c.qk_nope_head_dim + c.qk_rope_head_dim)
     one = Cut("mla_heads")
+
+    def value(axis=ROWS):
+        return Cut("mla_heads", axis, lambda c: c.v_head_dim)
+
     return BlockSplit("mla_heads", {
-        "q_proj": qk, "q_b_proj": qk, "embed_q": one, "unembed_out": one,
-        "g_proj": Cut("mla_heads", ROWS, lambda c: c.v_head_dim), "o_proj": Cut("mla_heads", COLS, lambda c: c.v_head_dim),
+        "q_proj": qk, "q_b_proj": qk, "embed_q": one, "unembed_out": one, "g_proj": value(), "o_proj": value(COLS),
     }, IdleMLA)
 
 
