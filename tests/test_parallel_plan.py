@@ -1,6 +1,7 @@
 """The planner (``kimi_mlx.parallel.accounting``, ``cost``, ``splits``) and ``kimi-mlx plan``: byte accounting from
-a config (or a GGUF header) equals the built models' parameter bytes, parameter by parameter; the split primitives' edge cases and errors; plans of the
-real-size configs against the sizes stated in ../shared/spec; the cost model's formulas; the CLI."""
+a config (or a GGUF header) equals the built models' parameter bytes, parameter by parameter; the split primitives'
+edge cases and errors; plans of the real-size configs against the sizes stated in ../shared/spec; the cost model's
+formulas; the CLI."""
 
 import json
 import math

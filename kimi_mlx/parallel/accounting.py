@@ -33,6 +33,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9  # sizes are printed in GB = 1e9 bytes (as model files are sized)
 GIB = 2**30  # host memory is given in GiB: Apple's "512GB" of unified memory is 512 GiB
 
+
 @dataclass(frozen=True)
 class QuantSpec:
     """An MLX quantized layout: ``mode`` "affine" (uint32-packed codes + a scale and a bias per group, in the model's
@@ -97,15 +98,11 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 def parameters(cfg: KimiConfig) -> list[Param]:
     """Every parameter of the ``Model`` / ``K3Model`` that ``load`` builds for ``cfg`` (unfused KDA q/k/v: fusing
-    changes names, not bytes), read from the model's own module tree. The model is built with its weights
-    unevaluated, so nothing is allocated (a real-size K3 builds in a fraction of a second)."""
-    return model_parameters((K3Model if cfg.is_k3 else Model)(cfg))
-
-
-def model_parameters(model: nn.Module) -> list[Param]:
-    """The parameters of a built (unsplit) ``model``: names and shapes from ``model.parameters()``, the storage kind
-    from the model's ``cast_predicate`` / ``quant_predicate`` (what ``load`` decides with), the tensor split from
-    ``shard.TENSOR_SPLITS``."""
+    changes names, not bytes), read from the model's own module tree: names and shapes from ``model.parameters()``,
+    the storage kind from the model's ``cast_predicate`` / ``quant_predicate`` (what ``load`` decides with), the
+    tensor split from ``shard.TENSOR_SPLITS``. The model is built with its weights unevaluated, so nothing is
+    allocated."""
+    model = (K3Model if cfg.is_k3 else Model)(cfg)
     modules = dict(model.named_modules())
     keep_dtype, quantizable = model.cast_predicate, model.quant_predicate
     placed = _tensor_placement(modules)
