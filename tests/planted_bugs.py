@@ -376,6 +376,12 @@ BUGS: tuple[PlantedBug, ...] = (
         ("tests/test_parallel_tensor.py::test_tensor_parallel_matches_single_process[2]",),
     ),
     PlantedBug(
+        "plan: the tensor splits declared beside the swaps are not read (every parameter counted whole)",
+        (("kimi_mlx/parallel/accounting.py", "        cut, idle = placed.get(name, (None, None))\n",
+          "        cut, idle = None, None\n"),),
+        ("tests/test_parallel_plan_vs_load.py::test_tensor_plan_is_the_load[2-kimi_linear-float32]",),
+    ),
+    PlantedBug(
         "pipeline: a K3 stage drops the AttnRes blocks it receives with the hidden state",
         (("kimi_mlx/parallel/pipeline.py",
           "        blocks.raw, blocks.inv_rms = packed[:-1], inv_rms(packed[:-1], blocks.eps)",
