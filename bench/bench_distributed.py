@@ -120,7 +120,8 @@ def run_mode(mode: str, n: int, path: Path, args: argparse.Namespace, out: Path)
 
 def predicted_link_bytes(config: dict, mode: str, n: int) -> float:
     """``kimi-mlx plan``'s bytes sent per decoded token by the busiest rank (float32, equal hosts)."""
-    from kimi_mlx.parallel.plan import Host, account_config, plan_pipeline, plan_tensor
+    from kimi_mlx.parallel.accounting import account_config
+    from kimi_mlx.parallel.cost import Host, plan_pipeline, plan_tensor
 
     acct = account_config(config, dtype="float32")
     plan = (plan_pipeline if mode == "pipeline" else plan_tensor)(acct, [Host(24)] * n, reserve_gib=1)

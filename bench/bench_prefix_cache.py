@@ -11,7 +11,7 @@ default), the prompt but its last token, and the prompt + reply but its last tok
 share counts once) is compared with:
 
 - **pages once**: the formula for that chain of snapshots holding each full latent page once, plus each snapshot's
-  own partial last page and KDA state (``kimi_mlx.parallel.plan.cache_bytes``, tested equal to real caches);
+  own partial last page and KDA state (``kimi_mlx.parallel.accounting.cache_bytes``, tested equal to real caches);
 - **copies**: every snapshot holding its whole cache (the prefix cache before the latent cache was paged).
 
     python bench/bench_prefix_cache.py [--first 8192] [--grow 8192] [--turns 4] [--max-tokens 16] [--concurrent]
@@ -45,7 +45,7 @@ def snapshot_points(prompt_len: int, cached: int, reply: int, interval: int) -> 
 
 def expected_bytes(cfg, lengths: list[int], page_size: int) -> tuple[int, int]:
     """(pages once, copies) for snapshots of one sequence at ``lengths`` tokens (see the module doc)."""
-    from kimi_mlx.parallel.plan import cache_bytes
+    from kimi_mlx.parallel.accounting import cache_bytes
 
     mla = [i for i in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(i)]
     kda = [i for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i)]

@@ -1,4 +1,4 @@
-"""Cache bytes of one sequence for the released configs (README "Cache size"): ``parallel.plan.cache_bytes`` at 128K
+"""Cache bytes of one sequence for the released configs (README "Cache size"): ``parallel.accounting.cache_bytes`` at 128K
 and 1M tokens, float (bf16) vs 8-bit vs 4-bit latent cache (affine, group 64, bf16 scales and biases), KDA state
 included. Prints the Markdown table: ``python bench/cache_bytes_table.py``."""
 
@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from kimi_mlx.config import KimiConfig
-from kimi_mlx.parallel.plan import GIB, cache_bytes
+from kimi_mlx.parallel.accounting import GIB, cache_bytes
 
 SHARED = Path(os.environ.get("KIMI_MLX_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 CONFIGS = {"Kimi-Linear-48B-A3B": "kimi-linear-48b-a3b-instruct.json", "Kimi-K3": "kimi-k3.json"}

@@ -35,7 +35,7 @@ entry of a ``CacheSnapshot``) / ``load_snapshot``, ``filter`` (keep rows), ``mer
 latent part (``kv_latent``, ``k_pe``) stored as a ``QuantizedLatent`` (``ops/latent.py``: ``mx.quantize``'s affine
 layout, uint32-packed codes, one scale and one bias per group in the model dtype, with its bits and group size), a
 part whose width the group does not divide stays float; attention reads the parts as stored. That layout is what
-``parallel.plan.cache_bytes(..., kv_bits, kv_group_size)`` counts. ``MLALatentCache.to_quantized`` converts a float
+``parallel.accounting.cache_bytes(..., kv_bits, kv_group_size)`` counts. ``MLALatentCache.to_quantized`` converts a float
 cache (mlx-lm's ``maybe_quantize_kv_cache`` calls it: ``quantized_kv_start``).
 
 For serving many sequences: ``cache.snapshot(row)`` takes one sequence's whole cache out (a ``CacheSnapshot``, to

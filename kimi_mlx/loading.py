@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 
 from .chat.tokenizer import load_gguf_tokenizer, load_kimi_tokenizer
 from .config import AFFINE_BITS, GROUP_SIZES, ConfigError, KimiConfig
-from .convert.gguf.arch import FLOAT_TYPES, build_config, decode_float, plan_tensors
+from .convert.gguf.arch import build_config, decode_float, gguf_storage, plan_tensors
 from .convert.gguf.quant import to_mlx
 from .convert.gguf.reader import GGUFFile, GGUFFormatError, TensorInfo
 from .convert.hf import CheckpointError
@@ -33,10 +33,8 @@ from .models.kimi_k3 import K3Model
 from .ops.ggml import FORMATS as GGML_FORMATS
 from .models.kimi_linear import Model
 from .ops.memory import check_fits
-from .parallel import Select, check_arguments, init_group, rank_share
-from .parallel.health import agree, fingerprint
-from .parallel.pipeline import Split, layer_bytes
-from .parallel.watchdog import watch
+from .parallel import Opened, Select, Share, Split, load_parallel
+from .parallel.pipeline import layer_bytes
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -392,16 +390,16 @@ def load_gguf_model(
         bar.update(info.raw().nbytes)
         path = param.rsplit(".", 1)[0]
         module = modules.get(path)
-        quantized = (
-            keep_quantized and info.type_name not in FLOAT_TYPES and param.endswith(".weight")
-            and module is not None and quantizable(path, module)
+        storage = gguf_storage(
+            info.type_name, keep_quantized and param.endswith(".weight") and module is not None
+            and quantizable(path, module), module is not None and holds_ggml(module), requantize,
         )
-        if quantized and not requantize and info.type_name in GGML_FORMATS and holds_ggml(module):
+        if storage == "blocks":
             # no MLX layout: the file's blocks, as they are ([..., rows, row_bytes] uint8), computed exactly
             weights[param] = mx.array(np.asarray(info.raw()).reshape(*info.shape[:-1], -1))
             ggml_types[path] = info.type_name
             decoded.append(info)
-        elif quantized and (requantize or info.type_name not in GGML_FORMATS):
+        elif storage == "mlx":
             layout = to_mlx(info.name, info.qtype, info.raw(), tuple(info.shape), requantize=requantize,
                             scale_dtype=scale_dtype)
             if not layout["exact"]:
@@ -448,7 +446,7 @@ def load_gguf_model(
 def _gguf_layer_bytes(g: GGUFFile, dtype, quantize, scale_dtype, requantize: bool) -> list[int]:
     """Bytes of each decoder layer of a GGUF as ``load`` will hold it (from the header: what ``kimi-mlx plan``
     counts, so a memory-proportional pipeline split is the one it predicts)."""
-    from .parallel.plan import QuantSpec, account_gguf
+    from .parallel.accounting import QuantSpec, account_gguf
 
     spec = _quantization_spec(quantize)
     names = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
@@ -496,43 +494,54 @@ def load(
     split: pipeline only: None (layers in proportion to each rank's memory), "even", or layer counts per rank
         (``[20, 7]`` or ``"20,7"``).
     """
-    check_arguments(parallel, group, split)
-    if parallel is not None and adapter_path is not None:
-        raise ValueError(f"adapter_path={str(adapter_path)!r} with parallel={parallel!r} is not supported; merge the "
-                         "adapter first (kimi-mlx fuse --model ... --adapter-path ... --save-path DIR) and load DIR")
-    group = init_group(parallel, group)
-    watch(group)  # from here on, a rank that is lost ends the others (no-op for one process)
-    if str(path_or_hf_id).endswith(".gguf"):  # one GGUF, or any shard of a -0000k-of-0000N.gguf split set
-        with agree(group, "opening the model") as step:
-            gguf_file = GGUFFile(Path(path_or_hf_id).expanduser())
-            tokenizer = load_gguf_tokenizer(gguf_file)  # validates the tokenizer metadata before any weight is read
-            cfg = build_config(gguf_file)
-            costs = _gguf_layer_bytes(gguf_file, dtype, quantize, gguf_scale_dtype, requantize) if parallel == "pipeline" else []
-            step.fingerprint = fingerprint(gguf_file.values, [(n, i.shape, i.type_name) for n, i in
-                                                              gguf_file.tensors.items()], gguf_file.files)
-        share = rank_share(parallel, group, split, cfg, costs)
-        with agree(group, "loading the weights"):
-            model, _ = load_gguf_model(gguf_file, dtype=dtype, requantize=requantize, scale_dtype=gguf_scale_dtype,
-                                       progress=progress, select=None if share is None else share.select)
-            if share is not None:
-                model = share.apply(model)
-            if quantize is not None and quantize is not False:
-                quantize_model(model, _quantization_spec(quantize))
-        _check_working_set(model, gguf_file.source, group)
-        return _with_adapters(model, adapter_path), tokenizer
-    with agree(group, "opening the model") as step:
-        path = resolve_model_path(path_or_hf_id)
-        model, cfg = load_model(path, dtype=dtype, quantize=quantize, lazy=True)
-        tokenizer = load_kimi_tokenizer(path)
-        step.fingerprint = fingerprint(_read_config(path), [(k, v.shape, v.dtype) for k, v in
-                                                            tree_flatten(model.parameters())], _safetensors_files(path))
-    share = rank_share(parallel, group, split, cfg, layer_bytes(model))
-    with agree(group, "loading the weights"):
+    gguf = str(path_or_hf_id).endswith(".gguf")  # one GGUF, or any shard of a -0000k-of-0000N.gguf split set
+    if gguf:
+        def open_model() -> Opened:
+            g = GGUFFile(Path(path_or_hf_id).expanduser())
+            tokenizer = load_gguf_tokenizer(g)  # validates the tokenizer metadata before any weight is read
+            tensors = [(n, i.shape, i.type_name) for n, i in g.tensors.items()]
+            return Opened(build_config(g), lambda: _gguf_layer_bytes(g, dtype, quantize, gguf_scale_dtype, requantize),
+                          (g.values, tensors, g.files), {"gguf": g, "tokenizer": tokenizer})
+    else:
+        def open_model() -> Opened:
+            path = resolve_model_path(path_or_hf_id)
+            model, cfg = load_model(path, dtype=dtype, quantize=quantize, lazy=True)
+            tokenizer = load_kimi_tokenizer(path)
+            tensors = [(k, v.shape, v.dtype) for k, v in tree_flatten(model.parameters())]
+            return Opened(cfg, lambda: layer_bytes(model), (_read_config(path), tensors, _safetensors_files(path)),
+                          {"path": path, "model": model, "tokenizer": tokenizer})
+
+    read_weights = _read_gguf_weights(dtype, quantize, requantize, gguf_scale_dtype, progress) if gguf else \
+        _read_lazy_weights
+    model, opened = load_parallel(parallel, group, split, adapter_path, open_model, read_weights)
+    return _with_adapters(model, adapter_path), opened.state["tokenizer"]
+
+
+def _read_gguf_weights(dtype, quantize, requantize: bool, scale_dtype, progress: bool):
+    """``load_parallel``'s second step for a GGUF: decode this rank's tensors (``share.select``), split, quantize."""
+
+    def read(opened: Opened, share: Optional[Share], group) -> nn.Module:
+        g = opened.state["gguf"]
+        model, _ = load_gguf_model(g, dtype=dtype, requantize=requantize, scale_dtype=scale_dtype, progress=progress,
+                                   select=None if share is None else share.select)
         if share is not None:
-            model = share.apply(model)  # before evaluating: only the rank's weights are read
-        _check_working_set(model, str(path), group)  # sizes are known before the weights are read
-        mx.eval(model.parameters())
-    return _with_adapters(model, adapter_path), tokenizer
+            model = share.apply(model)
+        if quantize is not None and quantize is not False:
+            quantize_model(model, _quantization_spec(quantize))
+        _check_working_set(model, g.source, group)
+        return model
+
+    return read
+
+
+def _read_lazy_weights(opened: Opened, share: Optional[Share], group) -> nn.Module:
+    """``load_parallel``'s second step for a checkpoint directory: split the lazy model, then read its weights."""
+    path, model = opened.state["path"], opened.state["model"]
+    if share is not None:
+        model = share.apply(model)  # before evaluating: only the rank's weights are read
+    _check_working_set(model, str(path), group)  # sizes are known before the weights are read
+    mx.eval(model.parameters())
+    return model
 
 
 def _check_working_set(model: nn.Module, source: str, group: Optional[mx.distributed.Group]) -> None:

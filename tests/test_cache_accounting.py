@@ -1,4 +1,4 @@
-"""Issue 14 item 4: ``parallel.plan.cache_bytes`` (config, context, kv_bits) is what ``model.make_cache()`` holds."""
+"""Issue 14 item 4: ``parallel.accounting.cache_bytes`` (config, context, kv_bits) is what ``model.make_cache()`` holds."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from kimi_mlx.cli.main import main
 from kimi_mlx.config import KimiConfig
 from kimi_mlx.loading import load_model
-from kimi_mlx.parallel.plan import cache_bytes, tensor_shares
+from kimi_mlx.parallel.accounting import cache_bytes
+from kimi_mlx.parallel.splits import tensor_shares
 
 
 @pytest.mark.parametrize("dtype, size", [(mx.float32, 4), (mx.bfloat16, 2)])

@@ -2,7 +2,7 @@
 reference (float32) with small pages so that short sequences span several.
 
 Sharing is checked by identity (a shared page is the same ``LatentPage`` object, so the same buffer) and by the
-bytes the prefix cache counts, against ``parallel.plan.cache_bytes`` (the layout formula, itself tested equal to
+bytes the prefix cache counts, against ``parallel.accounting.cache_bytes`` (the layout formula, itself tested equal to
 real caches): a chain of snapshots of one conversation holds each full page once, plus each snapshot's own copy of
 its partial last page and its KDA state. Values are checked against a cold cache fed the same tokens.
 """
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kimi_mlx.cache import LatentPage, MLALatentCache, cache_from_snapshot, make_cache, merge_caches
-from kimi_mlx.parallel.plan import cache_bytes
+from kimi_mlx.parallel.accounting import cache_bytes
 from kimi_mlx.server.prefix_cache import PrefixCache
 from kimi_mlx.server.scheduler import GenerationRequest, Scheduler
 

@@ -17,7 +17,7 @@ from kimi_mlx.cache import QuantizedMLALatentCache, cache_from_snapshot, merge_c
 from kimi_mlx.generate import batch_generate
 from kimi_mlx.layers.moe import SparseMoE
 from kimi_mlx.ops.latent import QuantizedLatent
-from kimi_mlx.parallel.plan import cache_bytes
+from kimi_mlx.parallel.accounting import cache_bytes
 from kimi_mlx.prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
 
 

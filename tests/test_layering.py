@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SHARED
 
 import kimi_mlx
 
@@ -34,13 +33,13 @@ FLOORS = {
     "metal": 0, "metal_kernels": 0, "data": 0,
 }
 # The model math: reached through models/, or by the modules that rebuild a built model's layers (loading's GGML
-# layers, parallel/shard's splits, tuner's adapters) or count their bytes (parallel/plan's GGML block sizes).
+# layers, parallel/shard's splits, tuner's adapters) or count their bytes (parallel/accounting).
 # ``ops.memory`` (the GPU working set) and ``ops.latent`` (the latent cache's storage type, which the cache keeps
 # and attention reads) are not model math.
 MATH = ("kimi_mlx.layers", "kimi_mlx.ops")
 NOT_MATH = ("kimi_mlx.ops.memory", "kimi_mlx.ops.latent")
 MATH_USERS = ("kimi_mlx.models", "kimi_mlx.layers", "kimi_mlx.ops", "kimi_mlx.loading", "kimi_mlx.parallel.shard",
-              "kimi_mlx.parallel.plan", "kimi_mlx.tuner")
+              "kimi_mlx.parallel.accounting", "kimi_mlx.tuner")
 METAL_USERS = ("kimi_mlx.ops", "kimi_mlx.metal")
 
 
@@ -199,11 +198,3 @@ def test_import_and_cli_help_do_not_import_mlx_lm():
     second); mlx-lm is imported where a model is built or generated with."""
     assert _modules_after("import kimi_mlx") == []
     assert _modules_after("from kimi_mlx.cli.main import main; main(['--help'])") == []
-    assert _modules_after("from kimi_mlx.cli.main import main; main(['plan', '--help'])") == []
-
-
-def test_plan_on_a_config_does_not_import_mlx_lm():
-    """``kimi-mlx plan`` on a config.json plans without mlx-lm (nothing is built)."""
-    config = SHARED / "fixtures" / "configs" / "kimi-k3.json"
-    code = f"from kimi_mlx.cli.main import main; main(['plan', '--model', {str(config)!r}, '--hosts', '512,512'])"
-    assert _modules_after(code) == []

@@ -24,14 +24,9 @@ import kimi_mlx
 from kimi_mlx.cli.main import main
 from kimi_mlx.layers.ggml import GGMLSwitchLinear
 from kimi_mlx.loading import load_model
-from kimi_mlx.parallel.plan import (
-    Host,
-    account_config,
-    account_gguf,
-    checkpoint_tensor_names,
-    plan_tensor,
-    tensor_shares,
-)
+from kimi_mlx.parallel.accounting import account_config, account_gguf, checkpoint_tensor_names
+from kimi_mlx.parallel.cost import Host, plan_tensor
+from kimi_mlx.parallel.splits import tensor_shares
 from kimi_mlx.parallel.shard import SumGGMLLinear, shard_model, width_unit
 
 TYPES = {

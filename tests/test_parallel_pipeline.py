@@ -26,7 +26,8 @@ from kimi_mlx.convert.gguf.reader import GGUFFile
 from kimi_mlx.loading import load_gguf_model, load_model
 from kimi_mlx.parallel import param_bytes
 from kimi_mlx.parallel.pipeline import Stages, layer_bytes, stages_of
-from kimi_mlx.parallel.plan import account_gguf, split_proportional
+from kimi_mlx.parallel.accounting import account_gguf
+from kimi_mlx.parallel.splits import split_proportional
 
 KL_Q8 = KL_FIXTURE / "kimi-linear-tiny-Q8_0.gguf"
 K3_Q8 = K3_FIXTURE / "kimi-k3-tiny-Q8_0.gguf"

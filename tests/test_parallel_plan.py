@@ -1,6 +1,7 @@
-"""``kimi_mlx.parallel.plan`` and ``kimi-mlx plan``: byte accounting from a config (or a GGUF header) equals the
-built models' parameter bytes, parameter by parameter; the split primitives' edge cases and errors; plans of the
-real-size configs against the sizes stated in ../shared/spec; the cost model's formulas; the CLI."""
+"""The planner (``kimi_mlx.parallel.accounting``, ``cost``, ``splits``) and ``kimi-mlx plan``: byte accounting from
+a config (or a GGUF header) equals the built models' parameter bytes, parameter by parameter; the split primitives'
+edge cases and errors; plans of the real-size configs against the sizes stated in ../shared/spec; the cost model's
+formulas; the CLI."""
 
 import json
 import math
@@ -17,26 +18,18 @@ from mlx.utils import tree_flatten
 from kimi_mlx.cli.main import main
 from kimi_mlx.config import KimiConfig
 from kimi_mlx.loading import load, load_model
-from kimi_mlx.parallel.plan import (
+from kimi_mlx.parallel.accounting import (
     GB,
     GIB,
-    Host,
-    Link,
     QuantSpec,
     account_config,
     account_gguf,
     cache_bytes,
     checkpoint_tensor_names,
-    decode_bytes,
     parameters,
-    pipeline_ranges,
-    plan_pipeline,
-    plan_tensor,
-    split_evenly,
-    split_proportional,
-    tensor_shares,
-    token_flops,
 )
+from kimi_mlx.parallel.cost import Host, Link, decode_bytes, plan_pipeline, plan_tensor, token_flops
+from kimi_mlx.parallel.splits import pipeline_ranges, split_evenly, split_proportional, tensor_shares
 
 CONFIGS = SHARED / "fixtures" / "configs"
 FIXTURES = {"kimi_linear": KL_FIXTURE, "kimi_k3": K3_FIXTURE}

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from kimi_mlx.loading import load_model
 from kimi_mlx.models.kimi_k3 import K3Model
 from kimi_mlx.parallel import param_bytes
-from kimi_mlx.parallel.plan import tensor_shares
+from kimi_mlx.parallel.splits import tensor_shares
 from kimi_mlx.parallel.shard import (
     ExpertParallelMoE,
     IdleKDA,

@@ -15,11 +15,27 @@ import numpy as np
 
 from kimi_mlx.config import KimiConfig
 
-from .quant import to_mlx
+from .quant import GGML_BLOCKS, to_mlx
 from .reader import GGUFFile, GGUFFormatError, TensorInfo
 
 ARCHS = ("kimi-linear", "kimi-k3")
 FLOAT_TYPES = ("F32", "F16", "BF16")
+BLOCK_TYPES = tuple(t.name for t in GGML_BLOCKS)  # no MLX layout: kept as GGML blocks unless re-quantized
+
+
+def gguf_storage(type_name: str, quantizable: bool, holds_blocks: bool, requantize: bool) -> str:
+    """How ``load`` holds a GGUF tensor of GGML type ``type_name``: "blocks" (the file's blocks, in a GGML-block
+    layer), "mlx" (the MLX quantized layout ``quant.to_mlx`` makes: ``quant.mlx_layout``) or "float" (decoded).
+
+    quantizable: the tensor is the weight of a module the model lets ``load`` quantize (its ``quant_predicate``);
+    holds_blocks: that module has a GGML-block twin (``layers.ggml.holds_ggml``); requantize: the block types are
+    re-quantized to MLX affine instead of kept (``load(requantize=True)``).
+    """
+    if not quantizable or type_name in FLOAT_TYPES:
+        return "float"
+    if type_name in BLOCK_TYPES and not requantize:
+        return "blocks" if holds_blocks else "float"  # a block type on a MultiLinear ([H, ...]) is decoded
+    return "mlx"
 
 # GGUF per-layer suffix -> (param suffix relative to the layer, kind); kind: "linear" (2-D/3-D matrix that may be
 # quantized), "vec" (1-D float), "special" (handled by code)

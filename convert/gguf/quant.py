@@ -59,6 +59,7 @@ __all__ = [
     "SUPPORTED_FLOAT",
     "GGUFQuantError",
     "dequantize_exact",
+    "mlx_layout",
     "to_mlx",
 ]
 
@@ -257,6 +258,19 @@ def dequantize_exact(name: str, qtype: T, data: np.ndarray, shape: tuple[int, ..
         raise GGUFQuantError(f"tensor {name!r}: {T(qtype).name} shape {shape}: {e}") from None
 
 
+def mlx_layout(qtype: T, requantize: bool = False) -> tuple[int, int, str]:
+    """(bits, group_size, mode) of the MLX layout :func:`to_mlx` makes of a quantized GGML type: the exact types'
+    (:data:`SUPPORTED_EXACT`), or with ``requantize`` the :data:`GGML_BLOCKS` types' affine :data:`REQUANT_BITS`;
+    all with group size :data:`GROUP`."""
+    qtype = T(int(qtype))
+    if qtype in SUPPORTED_EXACT:
+        return _EXACT[qtype][1], GROUP, _EXACT[qtype][2]
+    if qtype in GGML_BLOCKS and requantize:
+        return REQUANT_BITS[qtype], GROUP, "affine"
+    raise GGUFQuantError(f"GGML type {qtype.name} has no MLX quantized layout"
+                         + ("" if qtype in GGML_BLOCKS else f"; supported: {_supported_list()}"))
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -331,7 +345,7 @@ def to_mlx(name: str, qtype: gguf.GGMLQuantizationType, data: np.ndarray, shape:
     if qtype in SUPPORTED_EXACT:
         return _convert_exact(name, qtype, blocks, lead, rows, cols, bpr, rows_per_chunk, scale_dtype)
 
-    bits = REQUANT_BITS[qtype]
+    bits = mlx_layout(qtype, requantize=True)[0]
 
     def deq(b):
         return gguf.quants.dequantize(np.ascontiguousarray(b), qtype).reshape(b.shape[0], -1)
@@ -349,7 +363,8 @@ def to_mlx(name: str, qtype: gguf.GGMLQuantizationType, data: np.ndarray, shape:
 
 
 def _convert_exact(name, qtype, blocks, lead, rows, cols, bpr, rpc, scale_dtype) -> dict:
-    fn, bits, mode = _EXACT[qtype]
+    fn = _EXACT[qtype][0]
+    bits, _, mode = mlx_layout(qtype)
     w = np.empty((rows, cols * bits // 8), np.uint8)
     ng = cols // GROUP
     if mode == "mxfp4":

@@ -3,7 +3,7 @@
 Each trial feeds a fresh cache a random prompt (fixed seed, ids below the vocabulary size) and generates exactly
 ``--generation-tokens`` greedy tokens (EOS is ignored); one warm-up trial, then medians over ``--num-trials``.
 
-Each row also gives the cache bytes at the prompt length (``parallel.plan.cache_bytes``: MLA latent + KDA state of
+Each row also gives the cache bytes at the prompt length (``parallel.accounting.cache_bytes``: MLA latent + KDA state of
 the whole model, float cache in the model's dtype).
 
 With ``--parallel`` (under ``mlx.launch``) every rank runs the same trials; rank 0's timings are printed.
@@ -18,7 +18,7 @@ import time
 
 import mlx.core as mx
 
-from ..parallel.plan import cache_bytes
+from ..parallel.accounting import cache_bytes
 from . import ranks
 from .generate import add_kv_args, add_model_args, kv_from_args, load_from_args
 

@@ -13,25 +13,20 @@ from pathlib import Path
 
 from ..config import AFFINE_BITS, GROUP_SIZES
 from ..ops.memory import FILL
-from ..parallel.plan import (
-    GB,
+from ..parallel.accounting import GB, Accounting, QuantSpec, account_config, account_gguf, checkpoint_tensor_names
+from ..parallel.cost import (
     JACCL_TB5,
     ULTRA_BANDWIDTH_GBS,
     ULTRA_MIN_GIB,
-    Accounting,
     Host,
     Link,
     Plan,
-    QuantSpec,
     Speed,
-    account_config,
-    account_gguf,
-    checkpoint_tensor_names,
     default_bandwidth,
-    pipeline_ranges,
     plan_pipeline,
     plan_tensor,
 )
+from ..parallel.splits import pipeline_ranges
 
 
 def add_parser(commands) -> None:

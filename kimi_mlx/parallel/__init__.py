@@ -1,15 +1,20 @@
-"""Running one model across several processes / Macs with ``mx.distributed``: who holds what (``plan``), pipeline
-stages (``pipeline``), tensor + expert parallel module swaps (``shard``). Model files know nothing of this.
+"""Running one model across several processes / Macs with ``mx.distributed``: who holds what (``splits``), what
+it costs (``accounting``: bytes from the model's module tree; ``cost``: memory and speed per rank), pipeline stages
+(``pipeline``), tensor + expert parallel module swaps (``shard``). Model files know nothing of this.
 
-``load(..., parallel=, group=, split=)`` uses this package in two steps: ``rank_share`` decides what this rank holds
-(``Share.select`` tells a loader which parameters to read at all), then ``Share.apply`` turns the built model into
-this rank's part before its weights are evaluated.
+A loader hands the distributed part of loading to ``load_parallel`` in one call, with its two steps: opening the
+model (config, tokenizer, tensor list: ``Opened``) and reading the weights. ``load_parallel`` checks the arguments,
+starts the watchdog, runs each step as one all ranks pass or fail together (``health.agree``, the ranks'
+fingerprints compared), and between them decides what this rank holds (``rank_share``: ``Share.select`` tells the
+loader which parameters to read at all, ``Share.apply`` turns the built model into this rank's part before its weights
+are evaluated).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,12 +22,12 @@ from mlx.utils import tree_flatten
 
 from ..config import KimiConfig
 from .comm import comm_stream
+from .health import agree, fingerprint
+from .splits import Split
+from .watchdog import watch
 
-if TYPE_CHECKING:
-    from .pipeline import Split
-
-__all__ = ["MODES", "Select", "Share", "check_arguments", "comm_stream", "init_group", "param_bytes",
-           "parallelize", "rank_share"]
+__all__ = ["MODES", "Opened", "Select", "Share", "Split", "check_arguments", "comm_stream", "init_group",
+           "load_parallel", "param_bytes", "rank_share"]
 
 MODES = ("pipeline", "tensor")
 
@@ -39,12 +44,17 @@ class Share:
     apply: Callable[[nn.Module], nn.Module]
 
 
-def check_arguments(parallel: Optional[str], group: Optional[mx.distributed.Group], split: Split) -> None:
-    """Reject bad ``parallel`` / ``group`` / ``split`` values before anything is loaded (ValueError naming them)."""
+def check_arguments(parallel: Optional[str], group: Optional[mx.distributed.Group], split: Split,
+                    adapter_path: Optional[Union[str, Path]] = None) -> None:
+    """Reject bad ``parallel`` / ``group`` / ``split`` values, and an adapter with a parallel mode, before anything is
+    loaded (ValueError naming them)."""
     if parallel is not None and parallel not in MODES:
         raise ValueError(f"parallel={parallel!r}: expected None, 'pipeline' or 'tensor'")
     if parallel is None and group is not None:
         raise ValueError("group= was given without parallel=; expected parallel='pipeline' or 'tensor' with it")
+    if parallel is not None and adapter_path is not None:
+        raise ValueError(f"adapter_path={str(adapter_path)!r} with parallel={parallel!r} is not supported; merge the "
+                         "adapter first (kimi-mlx fuse --model ... --adapter-path ... --save-path DIR) and load DIR")
     if split is None:
         return
     if parallel != "pipeline":
@@ -77,7 +87,7 @@ def rank_share(
         return None
     where = f"{parallel} rank {group.rank()} of {group.size()}"
     if parallel == "pipeline":
-        from .pipeline import Stages  # the stages import the models (and mlx-lm): not for ``kimi-mlx plan``
+        from .pipeline import Stages  # the stages import the models (and mlx-lm): not for ``kimi-mlx plan --help``
 
         stages = Stages.split(layer_costs, group, split, cfg.tie_word_embeddings)  # checks ``split`` for 1 rank too
         layers = stages.layers
@@ -102,15 +112,47 @@ def _labelled(apply: Callable[[nn.Module], nn.Module], where: str) -> Callable[[
     return labelled
 
 
-def parallelize(model: nn.Module, parallel: Optional[str], group: Optional[mx.distributed.Group] = None,
-                split: Split = None) -> nn.Module:
-    """``model`` (weights best still lazy: only what the rank keeps is then read) as this rank's part."""
-    from .pipeline import layer_bytes
+@dataclass
+class Opened:
+    """What a loader's first step (opening the model, no weights read) hands ``load_parallel``.
 
-    check_arguments(parallel, group, split)
+    cfg: the model's config. layer_bytes: () -> bytes of each decoder layer as the rank will hold it, called only for
+    the default pipeline split (proportional to each rank's memory). fingerprint: ``(config, tensors, files)`` for
+    ``health.fingerprint`` (the ranks must agree on it). state: anything the loader's second step needs (the open
+    file, the built lazy model, the tokenizer).
+    """
+
+    cfg: KimiConfig
+    layer_bytes: Callable[[], Sequence[int]]
+    fingerprint: tuple[Mapping[str, Any], Iterable[tuple[str, Sequence[int], Any]], Iterable[Path]]
+    state: Any = None
+
+
+def load_parallel(
+    parallel: Optional[str], group: Optional[mx.distributed.Group], split: Split,
+    adapter_path: Optional[Union[str, Path]], open_model: Callable[[], Opened],
+    read_weights: Callable[[Opened, Optional[Share], Optional[mx.distributed.Group]], nn.Module],
+) -> tuple[nn.Module, Opened]:
+    """The distributed part of ``load(..., parallel=, group=, split=)`` around a loader's two steps:
+    ``open_model()`` and ``read_weights(opened, share, group) -> model`` (``share``: this rank's ``Share``, None for
+    a single process: read everything; ``group`` for messages).
+
+    Checks the arguments (``check_arguments``), takes the group (``init_group``) and starts the watchdog (from then on
+    a rank that is lost ends the others), runs each step as one every rank passes or fails together (``agree``: the
+    ranks' fingerprints of the opened model must match), and decides this rank's share between them (every rank
+    must call this). With ``parallel`` None the steps simply run. Returns (model, opened).
+    """
+    check_arguments(parallel, group, split, adapter_path)
     group = init_group(parallel, group)
-    share = rank_share(parallel, group, split, model.args, layer_bytes(model))
-    return model if share is None else share.apply(model)
+    watch(group)  # no-op for one process
+    with agree(group, "opening the model") as step:
+        opened = open_model()
+        costs = opened.layer_bytes() if parallel == "pipeline" else []
+        step.fingerprint = fingerprint(*opened.fingerprint)
+    share = rank_share(parallel, group, split, opened.cfg, costs)
+    with agree(group, "loading the weights"):
+        model = read_weights(opened, share, group)
+    return model, opened
 
 
 def param_bytes(model: nn.Module) -> int:

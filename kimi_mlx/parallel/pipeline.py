@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,9 +38,8 @@ from mlx.utils import tree_flatten
 from ..models.kimi_linear import Model
 from ..ops.memory import usable_memory
 from . import comm
-from .plan import pipeline_ranges
+from .splits import Split, pipeline_ranges
 
-Split = Union[None, str, Sequence[int]]
 _LAYER = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
 
 

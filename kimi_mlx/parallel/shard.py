@@ -1,6 +1,8 @@
 """Tensor + expert parallelism as module swaps on a built model: ``tensor_parallel(model, group)``.
 
-Each rank keeps its ``TensorShare`` (``plan.tensor_shares``) of every layer and computes that part of each block:
+Each rank keeps its ``TensorShare`` (``splits.tensor_shares``) of every layer and computes that part of each block,
+as ``TENSOR_SPLITS`` declares per block type (which children split on which ``TensorShare`` field and axis; the
+planner, ``parallel.accounting``, reads the same declaration):
 
 - KDA: its heads: rows of q/k/v (or the three segments of a fused ``qkv_proj``), of the short conv, ``f_b_proj``,
   ``b_proj`` and the output gate (``g_proj`` or ``g_b_proj``), and of ``A_log`` / ``dt_bias``; ``f_a_proj``,
@@ -14,8 +16,9 @@ Each rank keeps its ``TensorShare`` (``plan.tensor_shares``) of every layer and 
 
 Output projections keep the matching input columns, and the ranks' partial outputs are summed with one ``all_sum``
 per attention block and one per MLP / MoE block, so every rank carries the full hidden state and computes the full
-logits (embeddings, norms, AttnRes, router and head are replicated). A rank holding no part of a block (more ranks
-than heads or width units) adds zeros to that block's sum.
+logits (embeddings, norms, AttnRes, router and head are replicated, as is any child a declaration does not name). A
+rank holding no part of a block (more ranks than heads or width units) keeps its idle twin, which adds zeros to that
+block's sum.
 
 The sums of one model run in the order they are made, on every rank (``OrderedSum``).
 
@@ -31,7 +34,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Sequence, Union
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -45,9 +49,10 @@ from ..layers.mla import KimiMLA
 from ..layers.moe import MLP, SORTED_MIN_PAIRS, SparseMoE, switch_glu
 from ..ops.ggml import get_format
 from . import comm
-from .plan import TensorShare, tensor_shares
+from .splits import SPLIT_SIZES, TensorShare, tensor_shares
 
-__all__ = ["tensor_parallel", "shard_model", "tensor_select", "width_unit"]
+__all__ = ["COLS", "ROWS", "TENSOR_SPLITS", "BlockSplit", "Cut", "shard_model", "tensor_parallel", "tensor_select",
+           "width_unit"]
 
 # Layers whose every parameter has the output rows (or heads, or experts) on axis 0.
 _ROW_LAYERS = (nn.Linear, nn.QuantizedLinear, MultiLinear, QuantizedMultiLinear, SwitchLinear, QuantizedSwitchLinear,
@@ -71,19 +76,12 @@ def tensor_parallel(model: nn.Module, group: mx.distributed.Group = None) -> nn.
 
 
 def shard_model(model: nn.Module, share: TensorShare, group: mx.distributed.Group) -> nn.Module:
-    """Keep ``share`` of every layer of ``model`` (in place) and sum the blocks' outputs over ``group``."""
-    cfg: KimiConfig = model.args
+    """Keep ``share`` of every layer of ``model`` (in place) and sum the blocks' outputs over ``group``: each
+    layer's ``self_attn`` and ``mlp`` is cut as ``TENSOR_SPLITS`` declares for its type."""
     psum = OrderedSum(group)
     for i, layer in enumerate(model.layers):
-        name = f"layers.{i}"
-        if layer.is_linear:
-            layer.self_attn = _shard_kda(layer.self_attn, share.kda_heads, cfg, psum, f"{name}.self_attn")
-        else:
-            layer.self_attn = _shard_mla(layer.self_attn, share.mla_heads, cfg, psum, f"{name}.self_attn")
-        if isinstance(layer.mlp, SparseMoE):
-            layer.mlp = _shard_moe(layer.mlp, share, cfg, psum, f"{name}.mlp")
-        else:
-            layer.mlp = _shard_dense(layer.mlp, share.ffn, cfg.intermediate_size, psum, f"{name}.mlp")
+        for block in ("self_attn", "mlp"):
+            layer[block] = _shard_block(layer[block], share, model.args, psum, f"layers.{i}.{block}")
     return model
 
 
@@ -121,11 +119,6 @@ def _col_unit(layer: nn.Module) -> int:
 
 
 # --- cutting parameters ------------------------------------------------------------------------------------------
-
-
-def _scaled(r: range, k: int) -> range:
-    """Item range -> the range of their k-wide blocks (heads -> head_dim columns)."""
-    return range(r.start * k, r.stop * k)
 
 
 def _take(a: mx.array, ranges: Sequence[range], total: int, name: str) -> mx.array:
@@ -242,7 +235,9 @@ def _summed(layer: nn.Module, psum: OrderedSum) -> nn.Module:
 class IdleMLP(nn.Module):
     """An MLP block of which this rank holds nothing: adds zeros to the block's all_sum ([B, T, hidden])."""
 
-    def __init__(self, psum: OrderedSum):
+    KEEPS = ()  # children of the block kept (none)
+
+    def __init__(self, mlp: MLP, psum: OrderedSum):
         super().__init__()
         self.all_sum = psum
 
@@ -254,6 +249,8 @@ class IdleKDA(nn.Module):
     """KDA on a rank holding none of its heads: adds zeros to the block's all_sum; its cache holds the states of zero
     heads (conv [B, K-1, 0], recurrent [B, 0, D, D]), made to depend on the layer input as every rank's states do, so
     evaluating the cache (a checkpoint) runs the same sums on every rank."""
+
+    KEEPS = ()
 
     def __init__(self, attn: KimiDeltaAttention, psum: OrderedSum):
         super().__init__()
@@ -273,10 +270,12 @@ class IdleMLA(nn.Module):
     """MLA on a rank holding none of its heads: keeps the latent cache whole and in step like every rank (so cache
     offsets, trims and checkpoints agree) and adds zeros to the block's all_sum."""
 
+    KEEPS = ("kv_a_proj_with_mqa", "kv_a_layernorm")  # the latent projection and its norm
+
     def __init__(self, attn: KimiMLA, psum: OrderedSum):
         super().__init__()
-        self.kv_a_proj_with_mqa = attn.kv_a_proj_with_mqa
-        self.kv_a_layernorm = attn.kv_a_layernorm
+        for child in self.KEEPS:
+            self[child] = attn[child]
         self.kv_lora_rank = attn.rank
         self.all_sum = psum
 
@@ -289,75 +288,139 @@ class IdleMLA(nn.Module):
         return self.all_sum(out)
 
 
-def _shard_kda(attn: KimiDeltaAttention, heads: range, cfg: KimiConfig, psum: OrderedSum, name: str) -> nn.Module:
-    if not heads:
-        return IdleKDA(attn, psum)
-    H, D = cfg.kda_num_heads, cfg.kda_head_dim
-    P = H * D
-    cols = _scaled(heads, D)
-    qkv = [range(s * P + cols.start, s * P + cols.stop) for s in range(3)]  # the heads in each of q | k | v
-    if "qkv_proj" in attn:
-        attn.qkv_proj = _rows(attn.qkv_proj, qkv, 3 * P, f"{name}.qkv_proj")
-    else:
-        for p in ("q_proj", "k_proj", "v_proj"):
-            attn[p] = _rows(attn[p], [cols], P, f"{name}.{p}")
-    attn.qkv_conv.weight = _take(attn.qkv_conv.weight, qkv, 3 * P, f"{name}.qkv_conv.weight")
-    attn.f_b_proj = _rows(attn.f_b_proj, [cols], P, f"{name}.f_b_proj")
-    attn.b_proj = _rows(attn.b_proj, [heads], H, f"{name}.b_proj")
-    gate = "g_proj" if "g_proj" in attn else "g_b_proj"
-    attn[gate] = _rows(attn[gate], [cols], P, f"{name}.{gate}")
-    attn.A_log = _take(attn.A_log, [heads], H, f"{name}.A_log")
-    attn.dt_bias = _take(attn.dt_bias, [cols], P, f"{name}.dt_bias")
-    attn.o_proj = _summed(_cols(attn.o_proj, cols, P, f"{name}.o_proj"), psum)
-    attn.num_heads = len(heads)
-    return attn
+# --- what each block type splits: read by ``shard_model`` and by the planner (``parallel.accounting``) ----------
+
+ROWS, COLS = 0, -1
 
 
-def _shard_mla(attn: KimiMLA, heads: range, cfg: KimiConfig, psum: OrderedSum, name: str) -> nn.Module:
-    if not heads:
-        return IdleMLA(attn, psum)
-    H, qk, v = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    q = "q_proj" if "q_proj" in attn else "q_b_proj"
-    attn[q] = _rows(attn[q], [_scaled(heads, qk)], H * qk, f"{name}.{q}")
-    for p in ("embed_q", "unembed_out"):
-        attn[p] = _rows(attn[p], [heads], H, f"{name}.{p}")
-    if "g_proj" in attn:
-        attn.g_proj = _rows(attn.g_proj, [_scaled(heads, v)], H * v, f"{name}.g_proj")
-    attn.o_proj = _summed(_cols(attn.o_proj, _scaled(heads, v), H * v, f"{name}.o_proj"), psum)
-    attn.num_heads = len(heads)
-    return attn
+@dataclass(frozen=True)
+class Cut:
+    """How one child of a block (a parameter, or a layer: all its parameters) is cut across ranks.
+
+    The rank keeps its ``TensorShare.<field>`` range of items (heads, experts, width columns), each ``width(cfg)``
+    wide, in each of ``segments`` equal consecutive parts (a fused q | k | v): on ``ROWS`` (axis 0 of every
+    parameter: output rows, heads or experts) or on ``COLS`` (input columns of a Linear, whole quantization groups /
+    GGML blocks; the ranks' partial outputs are summed). ``read_by_loader``: a loader may have read only the rank's
+    rows already (``tensor_select``), so a layer holding exactly that many is kept as it is.
+    """
+
+    field: str
+    axis: int = ROWS
+    width: Callable[[KimiConfig], int] = lambda cfg: 1
+    segments: int = 1
+    read_by_loader: bool = False
+
+    def ranges(self, held: range, cfg: KimiConfig) -> tuple[list[range], int]:
+        """(the kept ranges along the axis, the axis' full size) for the rank's ``held`` items."""
+        k = self.width(cfg)
+        part = SPLIT_SIZES[self.field](cfg) * k  # one segment's full size
+        kept = [range(s * part + held.start * k, s * part + held.stop * k) for s in range(self.segments)]
+        return kept, self.segments * part
 
 
-def _split_mlp(mlp: MLP, cols: range, total: int, name: str) -> MLP:
-    """``mlp`` (in place) computing the intermediate columns ``cols`` of ``total``: a partial output to be summed."""
-    for p in ("gate_proj", "up_proj"):
-        mlp[p] = _rows(mlp[p], [cols], total, f"{name}.{p}")
-    mlp.down_proj = _cols(mlp.down_proj, cols, total, f"{name}.down_proj")
-    return mlp
+@dataclass(frozen=True)
+class BlockSplit:
+    """How tensor parallelism splits one block type.
+
+    cuts: child path within the block (``"q_proj"``, ``"qkv_conv.weight"``, ``"switch_mlp.up_proj"``) -> its ``Cut``;
+        every child not named is held whole by every rank (a parameter added to a layer is replicated).
+    field: the ``TensorShare`` range a rank must hold some of to compute the block; a rank holding none of it keeps
+        the ``idle`` twin instead (which keeps only the children ``idle.KEEPS`` names); ``idle`` None: never idle.
+    sums_columns: each ``COLS`` cut layer's output is summed over the ranks (False: the block's own forward sums).
+    """
+
+    field: str
+    cuts: Mapping[str, Cut]
+    idle: Optional[type] = None
+    sums_columns: bool = True
 
 
-def _shard_dense(mlp: MLP, cols: range, width: int, psum: OrderedSum, name: str) -> nn.Module:
-    if not cols:
-        return IdleMLP(psum)
-    mlp = _split_mlp(mlp, cols, width, name)
-    mlp.down_proj = _summed(mlp.down_proj, psum)
-    return mlp
+def _kda_split() -> BlockSplit:
+    def head(axis=ROWS, segments=1):
+        return Cut("kda_heads", axis, lambda c: c.kda_head_dim, segments)
+
+    one = Cut("kda_heads")
+    return BlockSplit("kda_heads", {
+        "q_proj": head(), "k_proj": head(), "v_proj": head(), "qkv_proj": head(segments=3),
+        "qkv_conv.weight": head(segments=3), "f_b_proj": head(), "b_proj": one, "g_proj": head(), "g_b_proj": head(),
+        "A_log": one, "dt_bias": head(), "o_proj": head(COLS),
+    }, IdleKDA)
 
 
-def _shard_moe(moe: SparseMoE, share: TensorShare, cfg: KimiConfig, psum: OrderedSum, name: str) -> SparseMoE:
-    experts = share.experts
-    for p in ("gate_proj", "up_proj", "down_proj"):
-        stack = moe.switch_mlp[p]
-        held = type(stack) in _ROW_LAYERS and stack.weight.shape[0] == len(experts)  # read so (``tensor_select``)
-        if not held:
-            moe.switch_mlp[p] = _rows(stack, [experts], cfg.num_experts, f"{name}.switch_mlp.{p}")
-    if "shared_experts" in moe:
-        if share.shared:
-            width = cfg.moe_intermediate_size * cfg.num_shared_experts
-            _split_mlp(moe.shared_experts, share.shared, width, f"{name}.shared_experts")
-        else:
-            del moe["shared_experts"]
-    return _recast(moe, ExpertParallelMoE, experts=experts, all_sum=psum)
+def _mla_split() -> BlockSplit:
+    qk = Cut("mla_heads", ROWS, lambda c: c.qk_nope_head_dim + c.qk_rope_head_dim)
+    one = Cut("mla_heads")
+
+    def value(axis=ROWS):
+        return Cut("mla_heads", axis, lambda c: c.v_head_dim)
+
+    return BlockSplit("mla_heads", {
+        "q_proj": qk, "q_b_proj": qk, "embed_q": one, "unembed_out": one, "g_proj": value(), "o_proj": value(COLS),
+    }, IdleMLA)
+
+
+def _moe_split() -> BlockSplit:
+    experts = Cut("experts", read_by_loader=True)
+    return BlockSplit("experts", {
+        "switch_mlp.gate_proj": experts, "switch_mlp.up_proj": experts, "switch_mlp.down_proj": experts,
+        "shared_experts.gate_proj": Cut("shared"), "shared_experts.up_proj": Cut("shared"),
+        "shared_experts.down_proj": Cut("shared", COLS),
+    }, sums_columns=False)
+
+
+# KDA and MLA: by head; the dense MLP: by intermediate column; the MoE: routed experts whole, shared experts by column
+TENSOR_SPLITS: dict[type, BlockSplit] = {
+    KimiDeltaAttention: _kda_split(),
+    KimiMLA: _mla_split(),
+    MLP: BlockSplit("ffn", {"gate_proj": Cut("ffn"), "up_proj": Cut("ffn"), "down_proj": Cut("ffn", COLS)}, IdleMLP),
+    SparseMoE: _moe_split(),
+}
+
+
+def _shard_block(block: nn.Module, share: TensorShare, cfg: KimiConfig, psum: OrderedSum, name: str) -> nn.Module:
+    """``block`` (in place, or its idle / expert-parallel twin) keeping the rank's ``share`` as its type's
+    ``TENSOR_SPLITS`` entry declares."""
+    spec = TENSOR_SPLITS.get(type(block))
+    if spec is None:
+        raise TypeError(f"{name}: no tensor split is declared for a {type(block).__name__} block")
+    held = getattr(share, spec.field)
+    if spec.idle is not None and not held:
+        return spec.idle(block, psum)
+    if isinstance(block, SparseMoE) and not share.shared and "shared_experts" in block:
+        del block["shared_experts"]  # this rank holds none of the shared experts' width
+    for child, cut in spec.cuts.items():
+        parent, _, key = child.rpartition(".")
+        owner = _child(block, parent)
+        if owner is None or key not in owner:
+            continue
+        cut_child = _cut(owner[key], cut, getattr(share, cut.field), cfg, f"{name}.{child}")
+        owner[key] = _summed(cut_child, psum) if cut.axis == COLS and spec.sums_columns else cut_child
+    if "num_heads" in vars(block):
+        block.num_heads = len(held)
+    if isinstance(block, SparseMoE):
+        return _recast(block, ExpertParallelMoE, experts=share.experts, all_sum=psum)
+    return block
+
+
+def _child(block: nn.Module, path: str) -> Optional[nn.Module]:
+    """The submodule at dotted ``path`` of ``block`` (``""``: the block itself); None when it has none there."""
+    for key in filter(None, path.split(".")):
+        if key not in block:
+            return None
+        block = block[key]
+    return block
+
+
+def _cut(child: Union[nn.Module, mx.array], cut: Cut, held: range, cfg: KimiConfig, name: str):
+    """``child`` (a parameter, or a layer cut in place) keeping ``held`` items as ``cut`` says."""
+    ranges, total = cut.ranges(held, cfg)
+    if isinstance(child, mx.array):
+        return _take(child, ranges, total, name)
+    if cut.axis == COLS:
+        return _cols(child, ranges[0], total, name)
+    if cut.read_by_loader and type(child) in _ROW_LAYERS and child.weight.shape[0] == sum(map(len, ranges)):
+        return child  # read so (``tensor_select``)
+    return _rows(child, ranges, total, name)
 
 
 class ExpertParallelMoE(SparseMoE):
