@@ -11,7 +11,7 @@ import pytest
 
 from kimi_mlx import generate, load, stream_generate
 from kimi_mlx.chat.session import ChatSession
-from kimi_mlx.generate import make_sampling
+from kimi_mlx.sampling import SamplingParams, make_sampling
 
 LOGITS = np.array([3.0, 2.2, 1.9, 1.0, 0.3, -0.4, -1.5, -2.5])  # distinct and well apart: unambiguous supports
 HISTORY = [2] + [5, 0, 5, 6, 3, 5, 0, 5, 6, 5] * 2  # id 2 just out of the 20-token window; 5, 0, 6, 3 repeat
@@ -79,7 +79,7 @@ def test_sampler_draws_follow_the_formula(options):
     """20000 seeded draws from fixed logits: no id outside the formula's support, and each id's frequency within 5
     standard errors of its probability softmax(logits / temp) on that support (so every id of p >~ 0.002 drawn)."""
     want = np_probs(LOGITS, **options)
-    sampler, _ = make_sampling(**options)
+    sampler, _ = make_sampling(SamplingParams(**options))
     logprobs = mx.array(np.log(softmax(LOGITS)), mx.float32)
     mx.random.seed(0)
     draws = np.array(sampler(mx.broadcast_to(logprobs, (DRAWS, len(LOGITS)))))
@@ -96,7 +96,7 @@ def test_sampler_draws_follow_the_formula(options):
 def test_logits_processors_follow_the_formula(options):
     """On fixed logits (some negative) and a history with repeated ids and an id just out of the 20-token window,
     the logits processors give the formula's logits (bias first, then the penalties)."""
-    _, processors = make_sampling(**options)
+    _, processors = make_sampling(SamplingParams(**options))
     logits = mx.array(LOGITS[None], mx.float32)
     for process in processors:
         logits = process(mx.array(HISTORY), logits)
