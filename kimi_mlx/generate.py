@@ -13,7 +13,7 @@ GPU's working set, ``ops.memory.wired``), as mlx-lm does.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,6 +55,15 @@ def _prompt_ids(tokenizer: TokenizerWrapper, prompt: Union[str, Sequence[int], m
     return prompt
 
 
+def _seeded_sampling(sampling: Optional[SamplingParams], options: dict[str, Any]) -> tuple[Callable, list[Callable]]:
+    """(sampler, logits processors) of ``sampling`` (default greedy) with ``options`` (``SamplingParams`` options by
+    name) on top; a ``seed`` seeds MLX's generator here."""
+    params = (sampling or SamplingParams()).updated(**options)
+    if params.seed is not None:
+        mx.random.seed(params.seed % 2**64)
+    return make_sampling(params)
+
+
 @wired_during(generation_stream)
 def stream_generate(
     model: nn.Module,
@@ -90,10 +99,7 @@ def stream_generate(
     cached = next(iter(prompt_cache)).offset if prompt_cache else 0
     check_prompt(model, prompt, cached=cached)
     check_kv_settings(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
-    params = (sampling or SamplingParams()).updated(**options)
-    sampler, processors = make_sampling(params)
-    if params.seed is not None:
-        mx.random.seed(params.seed % 2**64)
+    sampler, processors = _seeded_sampling(sampling, options)
     steps = generate_step(
         prompt, model, max_tokens=max_tokens, sampler=sampler, logits_processors=processors,
         prompt_cache=prompt_cache, prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
@@ -175,10 +181,7 @@ def batch_generate(
     for i, p in enumerate(prompts):
         check_prompt(model, mx.array(p, dtype=mx.int32), what=f"prompt {i}: token id")
     check_kv_settings(None, kv_bits, kv_group_size, quantized_kv_start)
-    params = (sampling or SamplingParams()).updated(**options)
-    sampler, processors = make_sampling(params)
-    if params.seed is not None:
-        mx.random.seed(params.seed % 2**64)
+    sampler, processors = _seeded_sampling(sampling, options)
     longest = max(len(p) for p in prompts)
     padding = [longest - len(p) for p in prompts]
     tokens = mx.array([[pad_id] * pad + list(p) for pad, p in zip(padding, prompts)])

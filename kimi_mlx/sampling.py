@@ -22,8 +22,6 @@ from dataclasses import dataclass, fields, replace
 from numbers import Integral, Real
 from typing import Any, Callable, Optional
 
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
@@ -113,6 +111,8 @@ def make_sampling(params: SamplingParams) -> tuple[Callable, list[Callable]]:
     """(sampler, logits processors) for ``params``, from mlx-lm's ``make_sampler`` and ``make_logits_processors``:
     the sampler maps log-probabilities ``[B, vocab]`` to token ids ``[B]``; each processor maps (tokens so far
     ``[n]``, logits ``[B, vocab]``) to logits. ``params.logits_processors`` run first. ``seed`` is the caller's."""
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler  # mlx-lm's package imports transformers
+
     p = params
     sampler = p.sampler
     if sampler is None:

@@ -84,18 +84,12 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "sampling: stream_generate does not pass top_k on",
-        (("kimi_mlx/generate.py", "    sampler, processors = make_sampling(params)\n    if params.seed is not None:\n"
-          "        mx.random.seed(params.seed % 2**64)\n    steps = generate_step(",
-          "    sampler, processors = make_sampling(params.updated(top_k=0))\n    if params.seed is not None:\n"
-          "        mx.random.seed(params.seed % 2**64)\n    steps = generate_step("),),
+        (("kimi_mlx/generate.py", "    return make_sampling(params)\n", "    return make_sampling(params.updated(top_k=0))\n"),),
         ("tests/test_sampling.py::test_stream_generate_samples_among_the_options_candidates",),
     ),
     PlantedBug(
         "sampling: stream_generate does not pass logit_bias on",
-        (("kimi_mlx/generate.py", "    sampler, processors = make_sampling(params)\n    if params.seed is not None:\n"
-          "        mx.random.seed(params.seed % 2**64)\n    steps = generate_step(",
-          "    sampler, processors = make_sampling(params.updated(logit_bias=None))\n    if params.seed is not None:\n"
-          "        mx.random.seed(params.seed % 2**64)\n    steps = generate_step("),),
+        (("kimi_mlx/generate.py", "    return make_sampling(params)\n", "    return make_sampling(params.updated(logit_bias=None))\n"),),
         ("tests/test_sampling.py::test_stream_generate_applies_the_logits_processors",),
     ),
     PlantedBug(
@@ -145,6 +139,22 @@ BUGS: tuple[PlantedBug, ...] = (
           "        model, tokenizer = load_from_args(args)\n        sampling = sampling_from_args(args)\n",
           "        sampling = sampling_from_args(args)\n        model, tokenizer = load_from_args(args)\n"),),
         ("tests/test_sampling.py::test_cli_chat_passes_the_sampling_flags",),
+    ),
+    PlantedBug(
+        "sampling: the seed option does not seed the draws",
+        (("kimi_mlx/generate.py", "        mx.random.seed(params.seed % 2**64)\n", "        pass\n"),),
+        ("tests/test_sampling.py::test_seed_option_draws_as_mx_random_seed",),
+    ),
+    PlantedBug(
+        "sampling: batch_generate's penalties see the first row's history in every row",
+        (("kimi_mlx/generate.py", "history, row = mx.array(list(prompt) + reply, dtype=mx.int32), logits[i : i + 1]",
+          "history, row = mx.array(list(prompts[0]) + replies[0], dtype=mx.int32), logits[i : i + 1]"),),
+        ("tests/test_sampling.py::test_batch_generate_applies_the_options_per_row",),
+    ),
+    PlantedBug(
+        "sampling: an out-of-range option is accepted",
+        (("kimi_mlx/sampling.py", "if not _is_real(value) or not low <= value <= high:", "if not _is_real(value):"),),
+        ("tests/test_sampling.py::test_sampling_params_name_the_bad_option",),
     ),
     # -- eps conventions and parity bounds (items 2, 3, 6)
     PlantedBug(

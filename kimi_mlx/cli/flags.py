@@ -20,7 +20,7 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --adapter-path, --dtype, --quantize, --q-group-size."""
+    """--model, --adapter-path, --dtype, --quantize, --q-group-size, --parallel, --split."""
     p.add_argument("--model", required=True,
                    help="model directory, HF repo id, GGUF file, or 'demo' (built-in tiny model)")
     p.add_argument("--adapter-path", default=None, metavar="DIR",
