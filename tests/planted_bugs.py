@@ -84,12 +84,14 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "sampling: stream_generate does not pass top_k on",
-        (("kimi_mlx/generate.py", "    return make_sampling(params)\n", "    return make_sampling(params.updated(top_k=0))\n"),),
+        (("kimi_mlx/generate.py", "    return make_sampling(params)\n",
+          "    return make_sampling(params.updated(top_k=0))\n"),),
         ("tests/test_sampling.py::test_stream_generate_samples_among_the_options_candidates",),
     ),
     PlantedBug(
         "sampling: stream_generate does not pass logit_bias on",
-        (("kimi_mlx/generate.py", "    return make_sampling(params)\n", "    return make_sampling(params.updated(logit_bias=None))\n"),),
+        (("kimi_mlx/generate.py", "    return make_sampling(params)\n",
+          "    return make_sampling(params.updated(logit_bias=None))\n"),),
         ("tests/test_sampling.py::test_stream_generate_applies_the_logits_processors",),
     ),
     PlantedBug(

@@ -266,8 +266,7 @@ def test_batch_generate_applies_the_options_per_row(demo):
     """``batch_generate`` with a penalty gives each row what it gives that prompt alone (each row's penalties see
     its own prompt and reply), and the penalty changes the greedy reply."""
     model, tok = demo
-    ids = tok.encode(PROMPT)
-    prompts = [ids, ids[3:]]
+    prompts = [tok.encode(PROMPT), tok.encode("Zebras jog over 42 lazy dogs")]
     rows, _ = batch_generate(model, prompts, 12, repetition_penalty=2.0)
     alone = [batch_generate(model, [p], 12, sampling=SamplingParams(repetition_penalty=2.0))[0][0] for p in prompts]
     assert rows == alone

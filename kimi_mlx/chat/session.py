@@ -124,9 +124,10 @@ class ChatSession:
     thinking_effort: Kimi-K3 only (None: the format's defaults). chat_format: None detects it from the tokenizer.
     max_tokens: reply limit. max_kv_size: limit on the tokens in the cache (None: unlimited). sampling: a
     ``SamplingParams`` or a dict of its options (default greedy; a ``seed`` seeds every reply's draws, otherwise they
-    come from MLX's generator); ``session.sampling`` may be set between turns the same ways. kv_bits (8 or 4; None: float) / kv_group_size /
-    quantized_kv_start: the MLA latent cache is quantized once it holds ``quantized_kv_start`` tokens (see
-    ``stream_generate``); saved files keep it quantized and ``load`` refuses a file of another setting.
+    come from MLX's generator); ``session.sampling`` may be set between turns the same ways. kv_bits (8 or 4; None:
+    float) / kv_group_size / quantized_kv_start: the MLA latent cache is quantized once it holds
+    ``quantized_kv_start`` tokens (see ``stream_generate``); saved files keep it quantized and ``load`` refuses a file
+    of another setting.
     """
 
     def __init__(
