@@ -1,5 +1,6 @@
 """Sampling options against their formulas (computed here with numpy) on fixed logits and on the demo model's
-logits, and their way from ``generate``, ``stream_generate``, ``ChatSession`` and the CLI flags to the sampler."""
+logits, and their way from ``generate``, ``stream_generate``, ``batch_generate``, ``ChatSession`` and the CLI flags
+to the sampler; ``SamplingParams`` refusing bad values by name, and its ``seed``."""
 
 import json
 import subprocess
