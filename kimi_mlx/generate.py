@@ -2,9 +2,10 @@
 
 ``stream_generate`` yields ``mlx_lm.generate.GenerationResponse`` objects (text segment, token, logprobs, prompt and
 generation tokens/s, peak memory, finish reason); ``generate`` returns the whole text. Our additions over
-``mlx_lm.stream_generate``: sampling options by name, extra stop tokens and stop strings (never emitted, even in
-part), and ``batch_generate`` for a ragged, left-padded batch with the hybrid cache. Prompts are checked before
-anything runs: ids outside the vocabulary (``TokenIdError``) and prompts past the model's ``model_max_length``
+``mlx_lm.stream_generate``: the sampling options as one ``SamplingParams`` (``kimi_mlx.sampling``; its options are
+also taken as keywords), extra stop tokens and stop strings (never emitted, even in part: ``kimi_mlx.text_stream``),
+and ``batch_generate`` for a ragged, left-padded batch with the hybrid cache. Prompts are checked before anything
+runs: ids outside the vocabulary (``TokenIdError``) and prompts past the model's ``model_max_length``
 (``ContextLengthError``) are refused. On a Mac each call keeps the model's memory wired while it runs (up to the
 GPU's working set, ``ops.memory.wired``), as mlx-lm does.
 """
@@ -12,52 +13,18 @@ GPU's working set, ``ops.memory.wired``), as mlx-lm does.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse, generate_step, generation_stream, maybe_quantize_kv_cache
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import check_kv_quant
 from .ops.memory import wired_during
+from .sampling import SamplingParams, make_sampling
+from .text_stream import TextStream
 from .validation import check_context, check_token_ids
-
-
-def make_sampling(
-    *,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    repetition_penalty: Optional[float] = None,
-    presence_penalty: Optional[float] = None,
-    frequency_penalty: Optional[float] = None,
-    logit_bias: Optional[dict[int, float]] = None,
-    sampler=None,
-    logits_processors=None,
-) -> tuple[Callable, list[Callable]]:
-    """(sampler, logits processors) for ``stream_generate``'s sampling options, from mlx-lm's ``make_sampler`` and
-    ``make_logits_processors``. A given ``sampler`` replaces temp/top_p/top_k/min_p; ``logits_processors`` run first."""
-    if sampler is None:
-        sampler = make_sampler(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    processors = list(logits_processors or []) + make_logits_processors(
-        logit_bias=logit_bias, repetition_penalty=None if repetition_penalty == 1.0 else repetition_penalty,
-        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-    )
-    return sampler, processors
-
-
-def held_back(text: str, stop_strings: Sequence[str]) -> int:
-    """How many trailing characters of ``text`` could still be the start of a stop string."""
-    hold = 0
-    for s in stop_strings:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                hold = max(hold, n)
-                break
-    return hold
 
 
 def check_prompt(model: nn.Module, prompt: mx.array, cached: int = 0, what: str = "token id") -> None:
@@ -78,6 +45,25 @@ def check_kv_settings(cache, kv_bits: Optional[int], kv_group_size: int, quantiz
                          f"bits, group {kv_group_size}")
 
 
+def _prompt_ids(tokenizer: TokenizerWrapper, prompt: Union[str, Sequence[int], mx.array]) -> mx.array:
+    """``prompt`` as ids ``[T]`` (text is encoded as plain text); an empty prompt is refused."""
+    if isinstance(prompt, str):
+        prompt = tokenizer.encode(prompt)
+    prompt = mx.array(prompt) if not isinstance(prompt, mx.array) else prompt
+    if prompt.size == 0:
+        raise ValueError("prompt is empty: give at least one token")
+    return prompt
+
+
+def _seeded_sampling(sampling: Optional[SamplingParams], options: dict[str, Any]) -> tuple[Callable, list[Callable]]:
+    """(sampler, logits processors) of ``sampling`` (default greedy) with ``options`` (``SamplingParams`` options by
+    name) on top; a ``seed`` seeds MLX's generator here."""
+    params = (sampling or SamplingParams()).updated(**options)
+    if params.seed is not None:
+        mx.random.seed(params.seed % 2**64)
+    return make_sampling(params)
+
+
 @wired_during(generation_stream)
 def stream_generate(
     model: nn.Module,
@@ -85,16 +71,7 @@ def stream_generate(
     prompt: Union[str, Sequence[int], mx.array],
     max_tokens: int = 256,
     *,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    repetition_penalty: Optional[float] = None,
-    presence_penalty: Optional[float] = None,
-    frequency_penalty: Optional[float] = None,
-    logit_bias: Optional[dict[int, float]] = None,
-    sampler=None,
-    logits_processors=None,
+    sampling: Optional[SamplingParams] = None,
     stop_tokens: Sequence[int] = (),
     stop_strings: Sequence[str] = (),
     prompt_cache=None,
@@ -102,81 +79,62 @@ def stream_generate(
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 0,
+    **options: Any,
 ) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per generated token (text may be ``""`` while bytes are incomplete).
 
     prompt: text (encoded as plain text, special-token strings are not interpreted) or token ids.
-    Sampling: ``temp`` 0 is greedy; ``top_k``, ``top_p`` (nucleus) and ``min_p`` (keep p >= min_p * max p) restrict
-    the candidates by the model's probabilities, then a token is drawn from softmax(logits / temp) over them (seed
-    with ``mx.random.seed``). Before that, ``logit_bias`` ({token id: added logit}), ``repetition_penalty`` (logit / r,
-    or * r when negative), ``presence_penalty`` and ``frequency_penalty`` (minus penalty, once or per occurrence)
-    change the logits; the penalties count the last 20 tokens of ``prompt`` (as given: not those already in
-    ``prompt_cache``) and of the reply.
+    Sampling: ``sampling`` (default greedy) with ``options`` on top, the ``SamplingParams`` options given by name
+    (``temp=``, ``top_p=``, ``top_k=``, ``min_p=``, ``repetition_penalty=``, ``presence_penalty=``,
+    ``frequency_penalty=``, ``logit_bias=``, ``seed=``, ``sampler=``, ``logits_processors=``; see
+    ``kimi_mlx.sampling``). The penalties count the last 20 tokens of ``prompt`` (as given: not those already in
+    ``prompt_cache``) and of the reply. Without ``seed`` the draws come from MLX's generator (``mx.random.seed``).
     Stops on the tokenizer's eos ids, ``stop_tokens``, any of ``stop_strings`` (excluded from the text), or
     ``max_tokens``; the last response has ``finish_reason`` "stop" or "length".
     Latent cache: ``kv_bits`` (8 or 4, None: float) with ``kv_group_size`` (32, 64, 128) quantizes the MLA layers'
     cache once it holds ``quantized_kv_start`` tokens (checked after each prefill chunk and step, as mlx-lm does;
     0: from the first chunk on). Requires ``prompt_cache`` (mlx-lm makes a fresh float cache otherwise).
     """
-    if isinstance(prompt, str):
-        prompt = tokenizer.encode(prompt)
-    prompt = mx.array(prompt) if not isinstance(prompt, mx.array) else prompt
-    if prompt.size == 0:
-        raise ValueError("prompt is empty: give at least one token")
+    prompt = _prompt_ids(tokenizer, prompt)
     cached = next(iter(prompt_cache)).offset if prompt_cache else 0
     check_prompt(model, prompt, cached=cached)
     check_kv_settings(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
-    sampler, processors = make_sampling(
-        temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-        sampler=sampler, logits_processors=logits_processors,
-    )
-    stop_ids = set(tokenizer.eos_token_ids) | set(stop_tokens)
-    detok = tokenizer.detokenizer
-    detok.reset()
-    text, emitted = "", 0
-    tic = time.perf_counter()
-    prompt_tps = 0.0
+    sampler, processors = _seeded_sampling(sampling, options)
     steps = generate_step(
         prompt, model, max_tokens=max_tokens, sampler=sampler, logits_processors=processors,
         prompt_cache=prompt_cache, prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
         quantized_kv_start=quantized_kv_start,
     )
+    text = TextStream(tokenizer, stop_strings, frozenset(tokenizer.eos_token_ids) | frozenset(stop_tokens))
+    yield from _responses(steps, text, prompt.size, max_tokens)
+
+
+def _responses(steps: Iterable[tuple[int, mx.array]], text: TextStream, prompt_tokens: int,
+               max_tokens: int) -> Iterator[GenerationResponse]:
+    """One response per (token, logprobs ``[vocab]``) of ``steps``, carrying the text ``text`` releases for it; the
+    last one has ``finish_reason`` "stop" (a stop token or string) or "length" and the held-back tail."""
+    tic = time.perf_counter()
+    prompt_tps = 0.0
 
     def response(token, logprobs, n, segment, reason):
         return GenerationResponse(
-            text=segment, token=token, logprobs=logprobs, from_draft=False, prompt_tokens=prompt.size,
+            text=segment, token=token, logprobs=logprobs, from_draft=False, prompt_tokens=prompt_tokens,
             prompt_tps=prompt_tps, generation_tokens=n, generation_tps=n / max(time.perf_counter() - tic, 1e-9),
             peak_memory=mx.get_peak_memory() / 1e9, finish_reason=reason,
         )
 
-    n, token, logprobs = 0, None, None
+    n, token, logprobs, segment = 0, None, None, ""
     for n, (token, logprobs) in enumerate(steps, start=1):
         if n == 1:
-            prompt_tps = prompt.size / (time.perf_counter() - tic)
+            prompt_tps = prompt_tokens / (time.perf_counter() - tic)
             tic = time.perf_counter()
-        if token in stop_ids:
-            detok.finalize()
-            text += detok.last_segment
-            yield response(token, logprobs, n, text[emitted:], "stop")
-            return
-        detok.add_token(token)
-        text += detok.last_segment
-        hit = min((text.find(s) for s in stop_strings if s in text), default=-1)
-        if hit >= 0:
-            yield response(token, logprobs, n, text[emitted:hit], "stop")
-            return
-        if n == max_tokens:
+        segment = text.add(token)
+        if text.stopped or n == max_tokens:
             break
-        safe = len(text) - held_back(text, stop_strings)
-        if safe > emitted or n == 1:
-            yield response(token, logprobs, n, text[emitted:safe], None)
-            emitted = max(emitted, safe)
-        else:
-            yield response(token, logprobs, n, "", None)
-    detok.finalize()
-    text += detok.last_segment
-    yield response(token, logprobs, n, text[emitted:], "length")
+        yield response(token, logprobs, n, segment, None)
+    else:
+        segment = ""  # every step's text was sent (or there was no step)
+    yield response(token, logprobs, n, segment + text.finish(), "stop" if text.stopped else "length")
 
 
 def generate(
@@ -203,27 +161,31 @@ def batch_generate(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
     max_tokens: int,
-    sampler=None,
+    sampling: Optional[SamplingParams] = None,
     pad_id: int = 0,
     prefill_step_size: int = 2048,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 0,
+    **options: Any,
 ) -> tuple[list[list[int]], list[mx.array]]:
-    """Generate for several prompts at once (greedy unless ``sampler``), left-padding to the longest prompt.
+    """Generate for several prompts at once, left-padding to the longest prompt.
 
+    Sampling: ``sampling`` (default greedy) with ``options`` on top, as in ``stream_generate``; the logits
+    processors (penalties, ``logit_bias``) see each row's own prompt and reply.
     The prompts are prefilled in chunks of ``prefill_step_size`` tokens (bounded activation memory).
     ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start``: the latent cache's quantization (see ``stream_generate``).
-    Returns (generated ids per prompt, per-step logprobs ``[B, vocab]``); no early stop, each row gets max_tokens.
+    Returns (generated ids per prompt, per-step logprobs ``[B, vocab]`` after the logits processors); no early stop,
+    each row gets max_tokens.
     """
     for i, p in enumerate(prompts):
         check_prompt(model, mx.array(p, dtype=mx.int32), what=f"prompt {i}: token id")
     check_kv_settings(None, kv_bits, kv_group_size, quantized_kv_start)
+    sampler, processors = _seeded_sampling(sampling, options)
     longest = max(len(p) for p in prompts)
     padding = [longest - len(p) for p in prompts]
     tokens = mx.array([[pad_id] * pad + list(p) for pad, p in zip(padding, prompts)])
     cache = model.make_cache(left_padding=padding)
-    sampler = sampler or (lambda lp: mx.argmax(lp, axis=-1))
     out, steps = [[] for _ in prompts], []
     for start in range(0, longest - 1, prefill_step_size):
         chunk = tokens[:, start : min(start + prefill_step_size, longest - 1)]
@@ -233,6 +195,8 @@ def batch_generate(
     logits = model(tokens[:, longest - 1 :], cache=cache)[:, -1]
     maybe_quantize_kv_cache(cache, quantized_kv_start, kv_group_size, kv_bits)
     for step in range(max_tokens):
+        if processors:
+            logits = _process_rows(processors, prompts, out, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         nxt = sampler(logprobs)
         mx.eval(nxt, logprobs)
@@ -243,3 +207,15 @@ def batch_generate(
             logits = model(nxt[:, None], cache=cache)[:, -1]
             maybe_quantize_kv_cache(cache, quantized_kv_start, kv_group_size, kv_bits)
     return out, steps
+
+
+def _process_rows(processors: Sequence, prompts: Sequence[Sequence[int]], replies: Sequence[list[int]],
+                  logits: mx.array) -> mx.array:
+    """``logits`` ``[B, vocab]`` with the logits processors applied to each row, on that row's prompt and reply."""
+    rows = []
+    for i, (prompt, reply) in enumerate(zip(prompts, replies)):
+        history, row = mx.array(list(prompt) + reply, dtype=mx.int32), logits[i : i + 1]
+        for process in processors:
+            row = process(history, row)
+        rows.append(row)
+    return mx.concatenate(rows, axis=0)

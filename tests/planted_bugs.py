@@ -41,57 +41,57 @@ BUGS: tuple[PlantedBug, ...] = (
     # -- sampling options (issue 11 item 1)
     PlantedBug(
         "sampling: every option ignored (always greedy)",
-        (("kimi_mlx/generate.py", "    return sampler, processors\n", "    return make_sampler(), []\n"),),
+        (("kimi_mlx/sampling.py", "    return sampler, processors\n", "    return make_sampler(), []\n"),),
         ("tests/test_sampling.py::test_sampler_draws_follow_the_formula",),
     ),
     PlantedBug(
         "sampling: temp's value ignored (always 1 when sampling)",
-        (("kimi_mlx/generate.py", "make_sampler(temp=temp,", "make_sampler(temp=1.0 if temp else 0.0,"),),
+        (("kimi_mlx/sampling.py", "make_sampler(temp=p.temp,", "make_sampler(temp=1.0 if p.temp else 0.0,"),),
         ("tests/test_sampling.py::test_sampler_draws_follow_the_formula",),
     ),
     PlantedBug(
         "sampling: top_p ignored",
-        (("kimi_mlx/generate.py", "make_sampler(temp=temp, top_p=top_p,", "make_sampler(temp=temp,"),),
+        (("kimi_mlx/sampling.py", "make_sampler(temp=p.temp, top_p=p.top_p,", "make_sampler(temp=p.temp,"),),
         ("tests/test_sampling.py::test_sampler_draws_follow_the_formula",),
     ),
     PlantedBug(
         "sampling: top_k ignored",
-        (("kimi_mlx/generate.py", "top_p=top_p, top_k=top_k, min_p=min_p)", "top_p=top_p, min_p=min_p)"),),
+        (("kimi_mlx/sampling.py", "top_p=p.top_p, top_k=p.top_k, min_p=p.min_p)", "top_p=p.top_p, min_p=p.min_p)"),),
         ("tests/test_sampling.py::test_sampler_draws_follow_the_formula",),
     ),
     PlantedBug(
         "sampling: min_p ignored",
-        (("kimi_mlx/generate.py", "top_p=top_p, top_k=top_k, min_p=min_p)", "top_p=top_p, top_k=top_k)"),),
+        (("kimi_mlx/sampling.py", "top_p=p.top_p, top_k=p.top_k, min_p=p.min_p)", "top_p=p.top_p, top_k=p.top_k)"),),
         ("tests/test_sampling.py::test_sampler_draws_follow_the_formula",),
     ),
     PlantedBug(
         "sampling: repetition_penalty ignored",
-        (("kimi_mlx/generate.py", "repetition_penalty=None if repetition_penalty == 1.0 else repetition_penalty,",
+        (("kimi_mlx/sampling.py", "repetition_penalty=None if p.repetition_penalty == 1.0 else p.repetition_penalty,",
           "repetition_penalty=None,"),),
         ("tests/test_sampling.py::test_logits_processors_follow_the_formula",),
     ),
     PlantedBug(
         "sampling: logit_bias ignored",
-        (("kimi_mlx/generate.py", "        logit_bias=logit_bias, repetition_penalty=",
+        (("kimi_mlx/sampling.py", "        logit_bias=p.logit_bias, repetition_penalty=",
           "        logit_bias=None, repetition_penalty="),),
         ("tests/test_sampling.py::test_logits_processors_follow_the_formula",),
     ),
     PlantedBug(
         "sampling: presence_penalty and frequency_penalty ignored",
-        (("kimi_mlx/generate.py",
-          "        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,\n    )\n", "    )\n"),),
+        (("kimi_mlx/sampling.py",
+          "        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,\n    )\n", "    )\n"),),
         ("tests/test_sampling.py::test_logits_processors_follow_the_formula",),
     ),
     PlantedBug(
         "sampling: stream_generate does not pass top_k on",
-        (("kimi_mlx/generate.py", "temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=",
-          "temp=temp, top_p=top_p, min_p=min_p, repetition_penalty="),),
+        (("kimi_mlx/generate.py", "    return make_sampling(params)\n",
+          "    return make_sampling(params.updated(top_k=0))\n"),),
         ("tests/test_sampling.py::test_stream_generate_samples_among_the_options_candidates",),
     ),
     PlantedBug(
         "sampling: stream_generate does not pass logit_bias on",
-        (("kimi_mlx/generate.py", "frequency_penalty=frequency_penalty, logit_bias=logit_bias,",
-          "frequency_penalty=frequency_penalty,"),),
+        (("kimi_mlx/generate.py", "    return make_sampling(params)\n",
+          "    return make_sampling(params.updated(logit_bias=None))\n"),),
         ("tests/test_sampling.py::test_stream_generate_applies_the_logits_processors",),
     ),
     PlantedBug(
@@ -102,35 +102,37 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "sampling: ChatSession does not pass its sampling options on",
-        (("kimi_mlx/chat/session.py", "prompt_cache=self.cache, **self.sampling,", "prompt_cache=self.cache,"),),
+        (("kimi_mlx/chat/session.py", "prompt_cache=self.cache, sampling=self.sampling,", "prompt_cache=self.cache,"),),
         ("tests/test_sampling.py::test_chat_session_passes_the_options",),
     ),
     PlantedBug(
         "sampling: ChatSession rejects logit_bias",
-        (("kimi_mlx/chat/session.py", '"logit_bias", "sampler"', '"sampler"'),),
+        (("kimi_mlx/chat/session.py", "        self._sampling = params\n",
+          '        if params.logit_bias:\n            raise ValueError("sampling: unknown option(s) logit_bias")\n'
+          "        self._sampling = params\n"),),
         ("tests/test_sampling.py::test_chat_session_passes_the_options",),
     ),
     PlantedBug(
         "sampling: CLI flag --min-p not read (generate and chat)",
-        (("kimi_mlx/cli/generate.py", '"top_k": args.top_k, "min_p": args.min_p,', '"top_k": args.top_k,'),),
+        (("kimi_mlx/cli/flags.py", "top_k=args.top_k, min_p=args.min_p,", "top_k=args.top_k,"),),
         ("tests/test_sampling.py::test_cli_generate_passes_the_sampling_flags",
          "tests/test_sampling.py::test_cli_chat_passes_the_sampling_flags"),
     ),
     PlantedBug(
         "sampling: CLI flag --seed ignored",
-        (("kimi_mlx/cli/generate.py", "        mx.random.seed(args.seed)\n", "        pass\n"),),
+        (("kimi_mlx/cli/flags.py", "        mx.random.seed(args.seed)\n", "        pass\n"),),
         ("tests/test_sampling.py::test_cli_generate_passes_the_sampling_flags",),
     ),
     PlantedBug(
         "sampling: kimi-mlx generate drops --top-p",
-        (("kimi_mlx/cli/generate.py", "prompt_cache=cache,\n                                **sampling, **kv_from_args(args)):",
-          'prompt_cache=cache,\n                                **{**sampling, "top_p": 1.0}, **kv_from_args(args)):'),),
+        (("kimi_mlx/cli/generate.py", "sampling=sampling, stop_strings=args.stop,",
+          "sampling=sampling.updated(top_p=1.0), stop_strings=args.stop,"),),
         ("tests/test_sampling.py::test_cli_generate_passes_the_sampling_flags",),
     ),
     PlantedBug(
         "sampling: kimi-mlx chat drops --top-p",
         (("kimi_mlx/cli/chat.py", "max_checkpoints=args.max_checkpoints, sampling=sampling,",
-          'max_checkpoints=args.max_checkpoints, sampling={**sampling, "top_p": 1.0},'),),
+          "max_checkpoints=args.max_checkpoints, sampling=sampling.updated(top_p=1.0),"),),
         ("tests/test_sampling.py::test_cli_chat_passes_the_sampling_flags",),
     ),
     PlantedBug(
@@ -139,6 +141,22 @@ BUGS: tuple[PlantedBug, ...] = (
           "        model, tokenizer = load_from_args(args)\n        sampling = sampling_from_args(args)\n",
           "        sampling = sampling_from_args(args)\n        model, tokenizer = load_from_args(args)\n"),),
         ("tests/test_sampling.py::test_cli_chat_passes_the_sampling_flags",),
+    ),
+    PlantedBug(
+        "sampling: the seed option does not seed the draws",
+        (("kimi_mlx/generate.py", "        mx.random.seed(params.seed % 2**64)\n", "        pass\n"),),
+        ("tests/test_sampling.py::test_seed_option_draws_as_mx_random_seed",),
+    ),
+    PlantedBug(
+        "sampling: batch_generate's penalties see the first row's history in every row",
+        (("kimi_mlx/generate.py", "history, row = mx.array(list(prompt) + reply, dtype=mx.int32), logits[i : i + 1]",
+          "history, row = mx.array(list(prompts[0]) + replies[0], dtype=mx.int32), logits[i : i + 1]"),),
+        ("tests/test_sampling.py::test_batch_generate_applies_the_options_per_row",),
+    ),
+    PlantedBug(
+        "sampling: an out-of-range option is accepted",
+        (("kimi_mlx/sampling.py", "if not _is_real(value) or not low <= value <= high:", "if not _is_real(value):"),),
+        ("tests/test_sampling.py::test_sampling_params_name_the_bad_option",),
     ),
     # -- eps conventions and parity bounds (items 2, 3, 6)
     PlantedBug(
@@ -466,7 +484,7 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "serve: the text stream does not hold back a possible stop-string start",
-        (("kimi_mlx/server/text_stream.py", "(0 if final else held_back(self._decoded, self._stops))", "0"),),
+        (("kimi_mlx/text_stream.py", "(0 if final else held_back(self._decoded, self._stops))", "0"),),
         ("tests/test_server_app.py::test_text_stream_stop_strings_and_utf8", "tests/test_server_api.py::test_stop_strings"),
     ),
     PlantedBug(
@@ -479,7 +497,7 @@ BUGS: tuple[PlantedBug, ...] = (
         "serve: a streamed response that ends early does not cancel its generation",
         (("kimi_mlx/server/backend.py", "return _EventStream(chunks, stream.cancel)",
           "return _EventStream(chunks, lambda: None)"),
-         ("kimi_mlx/server/text_stream.py", "        finally:\n            self.stream.cancel()\n",
+         ("kimi_mlx/server/generation.py", "        finally:\n            self.stream.cancel()\n",
           "        finally:\n"),),
         ("tests/test_server_api.py::test_disconnect_stops_the_generation",),
     ),
@@ -501,7 +519,8 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "serve: top_k at or past the vocabulary handed to the sampler",
-        (("kimi_mlx/server/backend.py", "    if params.top_k >= backend.vocab_size:\n        params.top_k = 0\n", ""),),
+        (("kimi_mlx/server/backend.py",
+          "    if params.top_k >= backend.vocab_size:\n        params = params.updated(top_k=0)\n", ""),),
         ("tests/test_server_errors.py::test_accepted_edge_values",),
     ),
     PlantedBug(
@@ -725,7 +744,7 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "CLI: the commands do not wire the model's memory",
-        (("kimi_mlx/cli/generate.py", "        loaded = True\n        keep_wired()\n", "        loaded = True\n"),),
+        (("kimi_mlx/cli/flags.py", "        loaded = True\n        keep_wired()\n", "        loaded = True\n"),),
         ("tests/test_mac_memory.py::test_cli_commands_keep_the_memory_wired",),
     ),
     PlantedBug(

@@ -1,5 +1,6 @@
 """Sampling options against their formulas (computed here with numpy) on fixed logits and on the demo model's
-logits, and their way from ``generate``, ``stream_generate``, ``ChatSession`` and the CLI flags to the sampler."""
+logits, and their way from ``generate``, ``stream_generate``, ``batch_generate``, ``ChatSession`` and the CLI flags
+to the sampler; ``SamplingParams`` refusing bad values by name, and its ``seed``."""
 
 import json
 import subprocess
@@ -9,9 +10,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kimi_mlx import generate, load, stream_generate
+from kimi_mlx import batch_generate, generate, load, stream_generate
 from kimi_mlx.chat.session import ChatSession
-from kimi_mlx.generate import make_sampling
+from kimi_mlx.sampling import SamplingParams, make_sampling
 
 LOGITS = np.array([3.0, 2.2, 1.9, 1.0, 0.3, -0.4, -1.5, -2.5])  # distinct and well apart: unambiguous supports
 HISTORY = [2] + [5, 0, 5, 6, 3, 5, 0, 5, 6, 5] * 2  # id 2 just out of the 20-token window; 5, 0, 6, 3 repeat
@@ -79,7 +80,7 @@ def test_sampler_draws_follow_the_formula(options):
     """20000 seeded draws from fixed logits: no id outside the formula's support, and each id's frequency within 5
     standard errors of its probability softmax(logits / temp) on that support (so every id of p >~ 0.002 drawn)."""
     want = np_probs(LOGITS, **options)
-    sampler, _ = make_sampling(**options)
+    sampler, _ = make_sampling(SamplingParams(**options))
     logprobs = mx.array(np.log(softmax(LOGITS)), mx.float32)
     mx.random.seed(0)
     draws = np.array(sampler(mx.broadcast_to(logprobs, (DRAWS, len(LOGITS)))))
@@ -96,7 +97,7 @@ def test_sampler_draws_follow_the_formula(options):
 def test_logits_processors_follow_the_formula(options):
     """On fixed logits (some negative) and a history with repeated ids and an id just out of the 20-token window,
     the logits processors give the formula's logits (bias first, then the penalties)."""
-    _, processors = make_sampling(**options)
+    _, processors = make_sampling(SamplingParams(**options))
     logits = mx.array(LOGITS[None], mx.float32)
     for process in processors:
         logits = process(mx.array(HISTORY), logits)
@@ -231,3 +232,43 @@ def test_cli_chat_passes_the_sampling_flags(demo, tmp_path, options):
 
     shown = _cli(tmp_path, "chat", options, stdin="Hi\n").split(">>> ", 1)[1].split("\n[prompt ", 1)[0]
     _assert_made_by(shown, options, replied)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("temp", -0.5), ("temp", float("nan")), ("top_p", 1.5), ("top_k", -1), ("top_k", 2.5), ("min_p", 2.0),
+    ("repetition_penalty", -1.0), ("presence_penalty", "high"), ("logit_bias", {"a": 1.0}), ("seed", 1.5),
+    ("sampler", 3), ("logits_processors", [None]),
+])
+def test_sampling_params_name_the_bad_option(name, value):
+    """A bad option value is refused when the params are made, and the error names the option."""
+    with pytest.raises(ValueError, match=f"sampling: {name} is "):
+        SamplingParams(**{name: value})
+
+
+def test_unknown_options_are_refused_by_name(demo):
+    """An unknown sampling keyword of ``stream_generate`` (or ``updated``) is refused, naming it and the options."""
+    with pytest.raises(ValueError, match="unknown option\\(s\\) temperature; expected temp, top_p"):
+        list(stream_generate(*demo, PROMPT, 2, temperature=0.5))
+    with pytest.raises(ValueError, match="unknown option\\(s\\) topk"):
+        SamplingParams().updated(topk=3)
+
+
+def test_seed_option_draws_as_mx_random_seed(demo):
+    """``seed=S`` (keyword, or in ``sampling=``) draws what ``mx.random.seed(S)`` then the same call draws."""
+    ids = demo[1].encode(PROMPT)
+    want = _draw(demo, ids, temp=5.0)
+    mx.random.seed(SEED + 1)
+    assert [r.token for r in stream_generate(*demo, ids, MAX_TOKENS, temp=5.0, seed=SEED)] == want
+    params = SamplingParams(temp=5.0, seed=SEED)
+    assert [r.token for r in stream_generate(*demo, ids, MAX_TOKENS, sampling=params)] == want
+
+
+def test_batch_generate_applies_the_options_per_row(demo):
+    """``batch_generate`` with a penalty gives each row what it gives that prompt alone (each row's penalties see
+    its own prompt and reply), and the penalty changes the greedy reply."""
+    model, tok = demo
+    prompts = [tok.encode(PROMPT), tok.encode("Zebras jog over 42 lazy dogs")]
+    rows, _ = batch_generate(model, prompts, 12, repetition_penalty=2.0)
+    alone = [batch_generate(model, [p], 12, sampling=SamplingParams(repetition_penalty=2.0))[0][0] for p in prompts]
+    assert rows == alone
+    assert batch_generate(model, prompts, 12)[0] != rows

@@ -25,7 +25,7 @@ from kimi_mlx.server.app import create_app
 from kimi_mlx.server.backend import Backend, render_prompt
 from kimi_mlx.server.errors import GENERATION_FAILED, INTERNAL_ERROR
 from kimi_mlx.server.scheduler import FinishEvent, TokenEvent
-from kimi_mlx.server.text_stream import TextStream
+from kimi_mlx.text_stream import TextStream
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Get weather",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

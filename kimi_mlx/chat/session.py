@@ -30,7 +30,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -42,12 +42,11 @@ from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 from ..generate import check_kv_settings, check_prompt, stream_generate
 from ..ops.memory import wired_during
 from ..prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
+from ..sampling import SamplingParams
 
 SESSION_KEY = "chat_session"  # prompt-cache file metadata key holding the session as JSON
 STOP_MARKERS = {"kimi_linear": "<|im_end|>", "kimi_k3": "<|end_of_msg|>"}
 THINKING_EFFORTS = ("low", "high", "max")
-SAMPLING_KEYS = ("temp", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                 "logit_bias", "sampler", "logits_processors")
 
 
 class ContextFullError(RuntimeError):
@@ -123,10 +122,12 @@ class ChatSession:
 
     system: system prompt (None: the format's default). tools: OpenAI-style tool declarations. thinking /
     thinking_effort: Kimi-K3 only (None: the format's defaults). chat_format: None detects it from the tokenizer.
-    max_tokens: reply limit. max_kv_size: limit on the tokens in the cache (None: unlimited). sampling: keyword
-    arguments of ``stream_generate`` (``SAMPLING_KEYS``). kv_bits (8 or 4; None: float) / kv_group_size /
-    quantized_kv_start: the MLA latent cache is quantized once it holds ``quantized_kv_start`` tokens (see
-    ``stream_generate``); saved files keep it quantized and ``load`` refuses a file of another setting.
+    max_tokens: reply limit. max_kv_size: limit on the tokens in the cache (None: unlimited). sampling: a
+    ``SamplingParams`` or a dict of its options (default greedy; a ``seed`` seeds every reply's draws, otherwise they
+    come from MLX's generator); ``session.sampling`` may be set between turns the same ways. kv_bits (8 or 4; None:
+    float) / kv_group_size / quantized_kv_start: the MLA latent cache is quantized once it holds
+    ``quantized_kv_start`` tokens (see ``stream_generate``); saved files keep it quantized and ``load`` refuses a file
+    of another setting.
     """
 
     def __init__(
@@ -142,7 +143,7 @@ class ChatSession:
         max_tokens: int = 512,
         max_kv_size: Optional[int] = None,
         max_checkpoints: int = 8,
-        sampling: Optional[dict] = None,
+        sampling: Union[SamplingParams, Mapping[str, Any], None] = None,
         prefill_step_size: int = 2048,
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
@@ -161,10 +162,7 @@ class ChatSession:
         if max_kv_size is not None and max_kv_size < 2:
             raise ValueError(f"max_kv_size must be >= 2, got {max_kv_size}")
         self.max_tokens, self.max_kv_size = max_tokens, max_kv_size
-        unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
-        if unknown:
-            raise ValueError(f"sampling: unknown option(s) {', '.join(unknown)}; expected {', '.join(SAMPLING_KEYS)}")
-        self.sampling = dict(sampling or {})
+        self.sampling = sampling
         self.prefill_step_size = prefill_step_size
         self.messages: list[dict] = []
         self.tokens: list[int] = []
@@ -176,6 +174,16 @@ class ChatSession:
         self.stop_tokens = [marker] if marker is not None else []
 
     # ----- settings
+    @property
+    def sampling(self) -> SamplingParams:
+        """The replies' sampling options."""
+        return self._sampling
+
+    @sampling.setter
+    def sampling(self, value: Union[SamplingParams, Mapping[str, Any], None]) -> None:
+        params = value if isinstance(value, SamplingParams) else SamplingParams().updated(**(value or {}))
+        self._sampling = params
+
     def set_thinking(self, on: Optional[bool]) -> None:
         """Turn K3 thinking on/off (None: the format's default); Kimi Linear has no thinking section."""
         if on and self.chat_format != "kimi_k3":
@@ -323,7 +331,7 @@ class ChatSession:
             mx.reset_peak_memory()
             for last in stream_generate(
                 self.model, self.tokenizer, prompt[-1:], budget, stop_tokens=self.stop_tokens,
-                prompt_cache=self.cache, **self.sampling, **self.kv,
+                prompt_cache=self.cache, sampling=self.sampling, **self.kv,
             ):
                 if not reply:
                     stats.prefill_s = time.perf_counter() - tic

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from ..parallel.accounting import cache_bytes
 from . import ranks
-from .generate import add_kv_args, add_model_args, kv_from_args, load_from_args
+from .flags import add_kv_args, add_model_args, kv_from_args, load_from_args
 
 
 def add_parser(commands) -> None:

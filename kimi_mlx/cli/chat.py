@@ -21,8 +21,8 @@ from pathlib import Path
 
 from . import ranks
 from ..parallel.comm import broadcast_text
-from .generate import (add_chat_args, add_kv_args, add_model_args, add_sampling_args, kv_from_args, load_from_args,
-                       sampling_from_args)
+from .flags import (add_chat_args, add_kv_args, add_model_args, add_sampling_args, kv_from_args, load_from_args,
+                    sampling_from_args)
 
 HELP = """commands:
   /reset              forget the conversation (settings stay)

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .generate import DTYPES
+from .flags import DTYPES
 
 
 def add_parser(commands) -> None:

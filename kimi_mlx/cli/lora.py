@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .generate import DTYPES
+from .flags import DTYPES
 from .ranks import on_ranks, wait_for_ranks
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "adafactor")

@@ -18,8 +18,8 @@ import signal
 import sys
 
 from . import ranks
-from .generate import (add_chat_args, add_kv_args, add_model_args, add_sampling_args, kv_from_args, load_from_args,
-                       sampling_from_args)
+from .flags import (add_chat_args, add_kv_args, add_model_args, add_sampling_args, kv_from_args, load_from_args,
+                    sampling_from_args)
 
 log = logging.getLogger("kimi_mlx.server")
 
@@ -102,7 +102,7 @@ def _backend_parts(args: argparse.Namespace, group):
     mx.set_cache_limit(default_cache_limit() if args.cache_limit is None else args.cache_limit)
     sampling = sampling_from_args(args)
     if seed is not None:
-        sampling["seed"] = seed
+        sampling = sampling.updated(seed=seed)
     chat_format = args.chat_format or detect_chat_format(tokenizer)
     if chat_format == "kimi_linear" and (args.think or args.effort):
         raise ValueError("--think / --effort: this model's chat format (Kimi Linear) has no thinking mode")

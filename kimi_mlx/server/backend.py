@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from fastapi.responses import StreamingResponse
@@ -19,21 +19,21 @@ from fastapi.responses import StreamingResponse
 from ..chat.format import encode_segments, render_chat_with_starts
 from ..chat.format_k3 import XTML_MARKERS, close_tag, open_tag
 from ..chat.tool_ids import in_call_order
+from ..sampling import SamplingParams
 from .errors import ApiError
-from .scheduler import (EngineStoppedError, GenerationRequest, QueueFullError, ReasoningBudget, RequestStream,
-                        SamplingParams)
+from .scheduler import EngineStoppedError, GenerationRequest, QueueFullError, ReasoningBudget, RequestStream
 
 THINKING_EFFORTS = ("low", "high", "max")
 
 
 @dataclass
 class Defaults:
-    """What a request that does not say gets (the CLI's sampling and chat flags). ``sampling``: the
-    ``SamplingParams`` fields temp/top_p/top_k/min_p/repetition_penalty/seed; ``thinking``/``thinking_effort``:
+    """What a request that does not say gets (the CLI's sampling and chat flags). ``sampling``: the default
+    ``SamplingParams`` (the CLI sets temp/top_p/top_k/min_p/repetition_penalty/seed); ``thinking``/``thinking_effort``:
     Kimi-K3 (None: the chat format's defaults); ``system``: system prompt for conversations that have none."""
 
     max_tokens: int = 512
-    sampling: dict = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     thinking: Optional[bool] = None
     thinking_effort: Optional[str] = None
     system: Optional[str] = None
@@ -139,7 +139,6 @@ def sampling_params(backend: Backend, fields: Mapping[str, Any]) -> SamplingPara
     """The server's default sampling with the request's given (non-None) fields on top. ``logit_bias`` keys must
     be token ids written in decimal ASCII digits, inside the vocabulary; a ``top_k`` at or above the vocabulary
     size keeps every token (as 0 does)."""
-    params = replace(SamplingParams(), **backend.defaults.sampling)
     given = {k: v for k, v in fields.items() if v is not None}
     bias = given.pop("logit_bias", None)
     if bias:
@@ -150,9 +149,9 @@ def sampling_params(backend: Backend, fields: Mapping[str, Any]) -> SamplingPara
                                "logit_bias")
             out[int(key)] = float(value)
         given["logit_bias"] = out
-    params = replace(params, **given)
+    params = backend.defaults.sampling.updated(**given)
     if params.top_k >= backend.vocab_size:
-        params.top_k = 0
+        params = params.updated(top_k=0)
     return params
 
 

@@ -21,12 +21,13 @@ from typing import Optional
 
 from fastapi import APIRouter, Request
 
+from ..text_stream import ReplyStream, TextStream
 from .backend import (Backend, Prompt, check_tokens, choose_tools, reply_budget, render_prompt, resolve_thinking,
                       sampling_params, sse_data, sse_response, stop_ids, submit, watch_disconnect,
                       with_keepalive)
 from .errors import GENERATION_FAILED, ApiError
+from .generation import Generation
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, parse, request_body
-from .text_stream import Generation, ReplyStream, TextStream
 
 router = APIRouter()
 

@@ -1,52 +1,34 @@
-"""Per-request sampling inside a shared decode batch: each request keeps its own settings, token history and random
-key, so its draws do not depend on which other requests share the batch.
+"""Per-request sampling inside a shared decode batch: each request keeps its own ``SamplingParams``
+(``kimi_mlx.sampling``), token history and random key, so its draws do not depend on which other requests share the
+batch.
 
-The draws are those of ``kimi_mlx.generate.stream_generate`` after ``mx.random.seed(seed)``: the same logits
-processors and candidate filters (mlx-lm's), and a key sequence split the way MLX's global generator splits its own.
+The draws are those of ``kimi_mlx.generate.stream_generate`` with the same params (its ``seed`` is
+``mx.random.seed(seed)``): the same logits processors and candidate filters (mlx-lm's), and a key sequence split the
+way MLX's global generator splits its own.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from ..generate import make_sampling
+from ..sampling import SamplingParams, make_sampling
 
 HISTORY = 64  # tokens of history the penalties see (mlx-lm's processors look at the last 20)
-
-
-@dataclass
-class SamplingParams:
-    """temp 0 is greedy; the rest as in ``kimi_mlx.generate.stream_generate``. seed: any integer, taken modulo 2**64
-    (so -1 is 2**64 - 1; the server accepts OpenAI's signed 64-bit range); None: a random one."""
-
-    temp: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[int, float]] = None
-    seed: Optional[int] = None
 
 
 class RowSampler:
     """Samples one request's tokens from its row of the batch's logits.
 
-    history: the request's tokens so far (prompt, then each sampled token via ``sample``).
+    history: the request's tokens so far (prompt, then each sampled token via ``record``). ``params.seed`` None: a
+    random seed; ``params.sampler`` is not used (the row draws with its own key; ``GenerationRequest`` refuses one).
     """
 
     def __init__(self, params: SamplingParams, history: list[int]):
         self.params = params
-        _, self.processors = make_sampling(
-            repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty, logit_bias=params.logit_bias,
-        )
+        _, self.processors = make_sampling(params)
         self.history = list(history[-HISTORY:])
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
         self.key = mx.random.key(seed % 2**64)

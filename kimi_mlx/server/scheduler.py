@@ -36,8 +36,9 @@ import mlx.core as mx
 
 from ..cache import HybridCache, cache_from_snapshot, check_kv_quant, merge_caches
 from ..parallel import comm
+from ..sampling import SamplingParams
 from .prefix_cache import PrefixCache
-from .sampling import RowSampler, SamplingParams, top_logprobs
+from .sampling import RowSampler, top_logprobs
 
 __all__ = ["EngineStoppedError", "FinishEvent", "GenerationRequest", "QueueFullError", "ReasoningBudget",
            "RequestStream", "SamplingParams", "Scheduler", "TokenEvent"]
@@ -61,7 +62,8 @@ class GenerationRequest:
     after one of them (it is reported). top_logprobs: None none, 0 the chosen token's, k also the k most likely.
     boundaries: prompt positions that end a message (snapshot points); system_end: end of the system prompt and
     tool declarations (a snapshot shared across conversations), 0 for none. reasoning: the reply's reasoning
-    budget (rank 0's tokens are every rank's, so only rank 0 keeps it)."""
+    budget (rank 0's tokens are every rank's, so only rank 0 keeps it). ``sampling.sampler`` is refused: each row
+    draws with its own key (``RowSampler``)."""
 
     tokens: list[int]
     max_tokens: int
@@ -71,6 +73,10 @@ class GenerationRequest:
     boundaries: tuple = ()
     system_end: int = 0
     reasoning: Optional[ReasoningBudget] = None
+
+    def __post_init__(self) -> None:
+        if self.sampling.sampler is not None:
+            raise ValueError("sampling: the scheduler does not take a sampler (each request draws with its own key)")
 
 
 @dataclass
@@ -166,18 +172,13 @@ class RequestStream:
 def _request_to_json(req: GenerationRequest) -> dict:
     d = {k: getattr(req, k) for k in ("tokens", "max_tokens", "top_logprobs", "boundaries", "system_end")}
     d["stop_token_ids"] = sorted(req.stop_token_ids)
-    d["sampling"] = dict(vars(req.sampling))
-    if req.sampling.logit_bias:
-        d["sampling"]["logit_bias"] = [[int(t), float(b)] for t, b in req.sampling.logit_bias.items()]
+    d["sampling"] = req.sampling.to_json()
     return d
 
 
 def _request_from_json(d: dict) -> GenerationRequest:
-    sampling = dict(d["sampling"])
-    if sampling.get("logit_bias"):
-        sampling["logit_bias"] = {int(t): b for t, b in sampling["logit_bias"]}
-    return GenerationRequest(d["tokens"], d["max_tokens"], SamplingParams(**sampling), frozenset(d["stop_token_ids"]),
-                             d["top_logprobs"], tuple(d["boundaries"]), d["system_end"])
+    return GenerationRequest(d["tokens"], d["max_tokens"], SamplingParams.from_json(d["sampling"]),
+                             frozenset(d["stop_token_ids"]), d["top_logprobs"], tuple(d["boundaries"]), d["system_end"])
 
 
 @dataclass
@@ -357,7 +358,7 @@ class Scheduler:
                 stream._put(FinishEvent("cancelled", len(req.tokens), 0, 0))
                 continue
             if req.sampling.seed is None:
-                req.sampling.seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+                req.sampling = req.sampling.updated(seed=int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
             entry = (self.prefix_cache.lookup(req.tokens, limit=len(req.tokens) - 1)
                      if self.prefix_cache is not None else None)
             plan.admit.append((next(self._ids), stream, entry.id if entry is not None else None))
