@@ -1,6 +1,7 @@
 """kimi-mlx: Kimi Linear (and Kimi-K3) on Apple's MLX.
 
-``load`` / ``generate`` / ``stream_generate`` / ``batch_generate`` are shaped like mlx-lm's. Each is imported on
+``load`` / ``generate`` / ``stream_generate`` / ``batch_generate`` are shaped like mlx-lm's; ``SamplingParams`` holds
+the sampling options they (and ``ChatSession``, the server and the CLI) take. Each is imported on
 first use (``kimi_mlx.load`` imports ``kimi_mlx.loading``), so ``import kimi_mlx``, the CLI's start-up and
 ``kimi_mlx.<submodule>`` imports do not pay for mlx-lm, which imports transformers.
 """
@@ -9,9 +10,10 @@ import importlib
 import sys
 import types
 
-__all__ = ["load", "generate", "stream_generate", "batch_generate"]
+__all__ = ["load", "generate", "stream_generate", "batch_generate", "SamplingParams"]
 
-_HOMES = {"load": "loading", "generate": "generate", "stream_generate": "generate", "batch_generate": "generate"}
+_HOMES = {"load": "loading", "generate": "generate", "stream_generate": "generate", "batch_generate": "generate",
+          "SamplingParams": "sampling"}
 
 
 class _Package(types.ModuleType):
