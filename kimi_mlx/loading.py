@@ -215,7 +215,7 @@ def _apply_checkpoint_quantization(model: nn.Module, weights: dict, qconfig: dic
     if ggml:
         _to_ggml_checked(model, weights, ggml, source)
 
-    def predicate(path: str, module: nn.Module):
+    def quantizes(path: str, module: nn.Module):
         if path in ggml or f"{path}.scales" not in weights:
             return False
         override = qconfig.get(path)
@@ -223,19 +223,19 @@ def _apply_checkpoint_quantization(model: nn.Module, weights: dict, qconfig: dic
 
     nn.quantize(
         model, group_size=qconfig.get("group_size", 64), bits=qconfig.get("bits", 4),
-        mode=qconfig.get("mode", "affine"), class_predicate=predicate,
+        mode=qconfig.get("mode", "affine"), class_predicate=quantizes,
     )
 
 
 def quantize_model(model: nn.Module, spec: dict) -> None:
     """On-load quantization; routers, norms and layers whose input width the group size does not divide stay float."""
-    base = model.quant_predicate
+    quantizable = model.quant_predicate
 
-    def predicate(path: str, module: nn.Module) -> bool:
+    def quantizes(path: str, module: nn.Module) -> bool:
         weight = getattr(module, "weight", None)
-        return base(path, module) and weight is not None and weight.shape[-1] % spec["group_size"] == 0
+        return quantizable(path, module) and weight is not None and weight.shape[-1] % spec["group_size"] == 0
 
-    nn.quantize(model, group_size=spec["group_size"], bits=spec["bits"], mode=spec["mode"], class_predicate=predicate)
+    nn.quantize(model, group_size=spec["group_size"], bits=spec["bits"], mode=spec["mode"], class_predicate=quantizes)
 
 
 def load_model(
@@ -261,9 +261,9 @@ def load_model(
     if dtype is None and mx.default_device() == mx.cpu:
         dtype = mx.float32  # MLX's CPU backend runs float32 fastest, and its gather_mm (experts) is float32-only
     if dtype is not None:
-        keep = model.cast_predicate
+        casts = model.cast_predicate
         weights = {
-            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and (keep(k) or dtype == mx.float32) else v
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and (casts(k) or dtype == mx.float32) else v
             for k, v in weights.items()
         }
     model.load_weights(list(weights.items()), strict=True)
@@ -278,15 +278,15 @@ def load_model(
 
 def _float_dtype(model: nn.Module) -> mx.Dtype:
     """A loaded model's float dtype: that of its first norm (norms take ``dtype``, or the checkpoint's; only what
-    ``cast_predicate`` names stays float32)."""
+    ``cast_predicate`` does not cast stays float32)."""
     return model.layers[0].input_layernorm.weight.dtype
 
 
-def _cast(dtype: Optional[mx.Dtype], keep_float32, param: str, value: mx.array) -> mx.array:
-    """Cast a float tensor to ``dtype`` unless the model keeps that parameter in float32."""
+def _cast(dtype: Optional[mx.Dtype], casts, param: str, value: mx.array) -> mx.array:
+    """Cast a float tensor to ``dtype`` where ``casts(param)`` (the model's ``cast_predicate``), else to float32."""
     if dtype is None or not mx.issubdtype(value.dtype, mx.floating):
         return value
-    return value.astype(dtype) if keep_float32(param) or dtype == mx.float32 else value.astype(mx.float32)
+    return value.astype(dtype) if casts(param) or dtype == mx.float32 else value.astype(mx.float32)
 
 
 @dataclass
