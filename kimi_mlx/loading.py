@@ -215,7 +215,7 @@ def _apply_checkpoint_quantization(model: nn.Module, weights: dict, qconfig: dic
     if ggml:
         _to_ggml_checked(model, weights, ggml, source)
 
-    def predicate(path: str, module: nn.Module):
+    def quantizes(path: str, module: nn.Module):
         if path in ggml or f"{path}.scales" not in weights:
             return False
         override = qconfig.get(path)
@@ -223,19 +223,19 @@ def _apply_checkpoint_quantization(model: nn.Module, weights: dict, qconfig: dic
 
     nn.quantize(
         model, group_size=qconfig.get("group_size", 64), bits=qconfig.get("bits", 4),
-        mode=qconfig.get("mode", "affine"), class_predicate=predicate,
+        mode=qconfig.get("mode", "affine"), class_predicate=quantizes,
     )
 
 
 def quantize_model(model: nn.Module, spec: dict) -> None:
     """On-load quantization; routers, norms and layers whose input width the group size does not divide stay float."""
-    base = model.quant_predicate
+    quantizable = model.quant_predicate
 
-    def predicate(path: str, module: nn.Module) -> bool:
+    def quantizes(path: str, module: nn.Module) -> bool:
         weight = getattr(module, "weight", None)
-        return base(path, module) and weight is not None and weight.shape[-1] % spec["group_size"] == 0
+        return quantizable(path, module) and weight is not None and weight.shape[-1] % spec["group_size"] == 0
 
-    nn.quantize(model, group_size=spec["group_size"], bits=spec["bits"], mode=spec["mode"], class_predicate=predicate)
+    nn.quantize(model, group_size=spec["group_size"], bits=spec["bits"], mode=spec["mode"], class_predicate=quantizes)
 
 
 def load_model(
@@ -261,9 +261,9 @@ def load_model(
     if dtype is None and mx.default_device() == mx.cpu:
         dtype = mx.float32  # MLX's CPU backend runs float32 fastest, and its gather_mm (experts) is float32-only
     if dtype is not None:
-        keep = model.cast_predicate
+        casts = model.cast_predicate
         weights = {
-            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and (keep(k) or dtype == mx.float32) else v
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and (casts(k) or dtype == mx.float32) else v
             for k, v in weights.items()
         }
     model.load_weights(list(weights.items()), strict=True)
@@ -278,15 +278,15 @@ def load_model(
 
 def _float_dtype(model: nn.Module) -> mx.Dtype:
     """A loaded model's float dtype: that of its first norm (norms take ``dtype``, or the checkpoint's; only what
-    ``cast_predicate`` names stays float32)."""
+    ``cast_predicate`` does not cast stays float32)."""
     return model.layers[0].input_layernorm.weight.dtype
 
 
-def _cast(dtype: Optional[mx.Dtype], keep_float32, param: str, value: mx.array) -> mx.array:
-    """Cast a float tensor to ``dtype`` unless the model keeps that parameter in float32."""
+def _cast(dtype: Optional[mx.Dtype], casts, param: str, value: mx.array) -> mx.array:
+    """Cast a float tensor to ``dtype`` where ``casts(param)`` (the model's ``cast_predicate``), else to float32."""
     if dtype is None or not mx.issubdtype(value.dtype, mx.floating):
         return value
-    return value.astype(dtype) if keep_float32(param) or dtype == mx.float32 else value.astype(mx.float32)
+    return value.astype(dtype) if casts(param) or dtype == mx.float32 else value.astype(mx.float32)
 
 
 @dataclass
@@ -342,105 +342,140 @@ def load_gguf_model(
     """
     cfg = build_config(g)
     model = (K3Model if cfg.is_k3 else Model)(cfg)
-    expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
-    plan = plan_tensors(g, cfg, expected)
+    plan = plan_tensors(g, cfg, {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())})
     if dtype is None and mx.default_device() == mx.cpu:
         dtype = mx.float32
-    keep = model.cast_predicate
-    quantizable = model.quant_predicate
-    modules = dict(tree_flatten(model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)))
+    stored, built = _selected_tensors(g, plan, select)
+    loaded = _GGUFWeights(model, dtype, requantize, keep_quantized, scale_dtype)
+    # the bar counts the tensors taken as stored (all but a few small ones: A_log, short convs, legacy kv_b)
+    bar = progress_bar(sum(i.raw().nbytes for i in stored.values()), f"loading {Path(g.source).name}", "B", progress)
+    for param, info in stored.items():
+        bar.update(info.raw().nbytes)
+        loaded.add_stored(param, info)
+    for param, build in built.items():
+        loaded.add_built(param, build)
+    bar.close()
+    for param, shape in plan.ones.items():
+        if select is None or select(param):
+            loaded.add_ones(param, shape)
+    if loaded.inexact:
+        detail = ", ".join(f"{t}: {n} tensors, max abs error <= {e:.3g}"
+                           for t, (n, e) in sorted(loaded.inexact.items()))
+        warnings.warn(f"{g.source}: not bit-exact in MLX ({detail}; scales {scale_dtype})", stacklevel=2)
+    _take_gguf_weights(model, loaded, g.source, whole=select is None)
+    set_float_dtype(model, dtype or mx.float32)  # float tensors decode to float32 and are cast to dtype when given
+    model.eval()
+    mx.eval(loaded.weights)
+    return model, cfg
 
-    decoded: list = []  # tensors read since the last release: their file pages leave the resident set once copied
 
-    def decode(info):
-        decoded.append(info)
-        return decode_float(info)
-
-    def release() -> None:
-        for info in decoded:
-            info.release()
-        decoded.clear()
-
-    def wanted(param: str):
-        return True if select is None else select(param)
-
-    direct = {}
+def _selected_tensors(g: GGUFFile, plan, select: Optional[Select]) -> tuple[dict, dict]:
+    """The parts of ``plan`` (``plan_tensors``) that ``select`` wants (all without it): ``{param: TensorInfo or
+    TensorRows}`` of the tensors taken as stored, ``{param: build}`` of those built from several GGUF tensors (which
+    must be wanted whole)."""
+    stored, built = {}, {}
     for param, info in plan.direct.items():
-        rows = wanted(param)
+        rows = True if select is None else select(param)
         if isinstance(rows, range):
-            direct[param] = TensorRows(info, rows)
+            stored[param] = TensorRows(info, rows)
         elif rows:
-            direct[param] = info
-    built = {}
+            stored[param] = info
     for param, build in plan.built.items():
-        rows = wanted(param)
+        rows = True if select is None else select(param)
         if isinstance(rows, range):
             raise ValueError(f"{g.source}: select({param!r}) asked for rows, but {param} is built from several GGUF "
                              "tensors; rows can only be read from a stacked tensor taken as stored (routed experts)")
         if rows:
             built[param] = build
+    return stored, built
 
-    weights: dict[str, mx.array] = {}
-    qspecs: dict[str, dict] = {}
-    ggml_types: dict[str, str] = {}  # module path -> GGML type of the block weights it keeps
-    inexact: dict[str, list] = {}  # GGML type -> [tensor count, max abs error] of layouts that are not bit-exact
-    # the bar counts the tensors taken as stored (all but a few small ones: A_log, short convs, legacy kv_b)
-    bar = progress_bar(sum(i.raw().nbytes for i in direct.values()), f"loading {Path(g.source).name}", "B", progress)
-    for param, info in direct.items():
-        bar.update(info.raw().nbytes)
+
+class _GGUFWeights:
+    """A GGUF's tensors as the weights of ``model``, one parameter at a time: each is evaluated as soon as it is
+    added and the file pages read for it leave the resident set then. What the model needs to take them:
+    ``weights`` (parameter -> array), ``qspecs`` (module path -> MLX quantization of the layers to quantize),
+    ``ggml_types`` (module path -> GGML type of the blocks it keeps) and ``inexact`` (GGML type -> [tensor count,
+    max abs error] of the MLX layouts that are not bit-exact)."""
+
+    def __init__(self, model: nn.Module, dtype: Optional[mx.Dtype], requantize: bool, keep_quantized: bool,
+                 scale_dtype: mx.Dtype):
+        self.dtype, self.scale_dtype = dtype, scale_dtype
+        self.requantize, self.keep_quantized = requantize, keep_quantized
+        self.casts, self.quantizable = model.cast_predicate, model.quant_predicate
+        self.modules = dict(tree_flatten(model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)))
+        self.weights: dict[str, mx.array] = {}
+        self.qspecs: dict[str, dict] = {}
+        self.ggml_types: dict[str, str] = {}
+        self.inexact: dict[str, list] = {}
+        self._read: list = []  # tensors read for the parameter being added
+
+    def decode(self, info) -> np.ndarray:
+        """``info`` decoded to float32 (``decode_float``); its pages are released once the parameter is added."""
+        self._read.append(info)
+        return decode_float(info)
+
+    def add_stored(self, param: str, info) -> None:
+        """A tensor taken as stored: GGML blocks, an MLX quantized layout or float, as ``gguf_storage`` decides."""
         path = param.rsplit(".", 1)[0]
-        module = modules.get(path)
+        module = self.modules.get(path)
         storage = gguf_storage(
-            info.type_name, keep_quantized and param.endswith(".weight") and module is not None
-            and quantizable(path, module), module is not None and holds_ggml(module), requantize,
+            info.type_name, self.keep_quantized and param.endswith(".weight") and module is not None
+            and self.quantizable(path, module), module is not None and holds_ggml(module), self.requantize,
         )
         if storage == "blocks":
             # no MLX layout: the file's blocks, as they are ([..., rows, row_bytes] uint8), computed exactly
-            weights[param] = mx.array(np.asarray(info.raw()).reshape(*info.shape[:-1], -1))
-            ggml_types[path] = info.type_name
-            decoded.append(info)
+            self._read.append(info)
+            self._add(param, mx.array(np.asarray(info.raw()).reshape(*info.shape[:-1], -1)))
+            self.ggml_types[path] = info.type_name
         elif storage == "mlx":
-            layout = to_mlx(info.name, info.qtype, info.raw(), tuple(info.shape), requantize=requantize,
-                            scale_dtype=scale_dtype)
-            if not layout["exact"]:
-                count = inexact.setdefault(info.type_name, [0, 0.0])
-                count[0], count[1] = count[0] + 1, max(count[1], layout["max_abs_error"])
-            qspecs[path] = {"group_size": layout["group_size"], "bits": layout["bits"], "mode": layout["mode"]}
-            weights[param] = layout["weight"]
-            for extra in ("scales", "biases"):
-                if extra in layout:  # float32 scales/biases keep the exact types exact, whatever ``dtype``
-                    weights[f"{path}.{extra}"] = layout[extra]
-                    mx.eval(layout[extra])  # a lazy cast would keep its float32 source alive until the end
-            decoded.append(info)
+            self._read.append(info)
+            self._add_mlx_layout(param, path, info)
         else:
-            weights[param] = _cast(dtype, keep, param, mx.array(decode(info)))
-        mx.eval(weights[param])
-        release()
-    for param, build in built.items():
-        weights[param] = _cast(dtype, keep, param, mx.array(build(decode)))
-        mx.eval(weights[param])
-        release()
-    bar.close()
-    for param, shape in plan.ones.items():
-        if wanted(param):
-            weights[param] = _cast(dtype, keep, param, mx.ones(shape))
-    if inexact:
-        detail = ", ".join(f"{t}: {n} tensors, max abs error <= {e:.3g}" for t, (n, e) in sorted(inexact.items()))
-        warnings.warn(f"{g.source}: not bit-exact in MLX ({detail}; scales {scale_dtype})", stacklevel=2)
-    if qspecs:
-        nn.quantize(model, class_predicate=lambda p, m: qspecs.get(p, False))
-    if ggml_types:
-        to_ggml(model, ggml_types)
-    if select is None:
+            self._add(param, _cast(self.dtype, self.casts, param, mx.array(self.decode(info))))
+
+    def add_built(self, param: str, build) -> None:
+        """A parameter built from several GGUF tensors (``build(decode)``), as float."""
+        self._add(param, _cast(self.dtype, self.casts, param, mx.array(build(self.decode))))
+
+    def add_ones(self, param: str, shape: tuple) -> None:
+        """A parameter the GGUF does not store, all ones."""
+        self.weights[param] = _cast(self.dtype, self.casts, param, mx.ones(shape))
+
+    def _add_mlx_layout(self, param: str, path: str, info) -> None:
+        layout = to_mlx(info.name, info.qtype, info.raw(), tuple(info.shape), requantize=self.requantize,
+                        scale_dtype=self.scale_dtype)
+        if not layout["exact"]:
+            count = self.inexact.setdefault(info.type_name, [0, 0.0])
+            count[0], count[1] = count[0] + 1, max(count[1], layout["max_abs_error"])
+        self.qspecs[path] = {"group_size": layout["group_size"], "bits": layout["bits"], "mode": layout["mode"]}
+        self.weights[param] = layout["weight"]
+        for extra in ("scales", "biases"):
+            if extra in layout:  # float32 scales/biases keep the exact types exact, whatever ``dtype``
+                self.weights[f"{path}.{extra}"] = layout[extra]
+                mx.eval(layout[extra])  # a lazy cast would keep its float32 source alive until the end
+        self._add(param, layout["weight"])
+
+    def _add(self, param: str, value: mx.array) -> None:
+        self.weights[param] = value
+        mx.eval(value)
+        for info in self._read:
+            info.release()
+        self._read.clear()
+
+
+def _take_gguf_weights(model: nn.Module, loaded: _GGUFWeights, source: str, whole: bool) -> None:
+    """Make ``model``'s quantized and GGML-block layers, check the weights against it when it is loaded ``whole``
+    (not one rank's part) and load them."""
+    if loaded.qspecs:
+        nn.quantize(model, class_predicate=lambda p, m: loaded.qspecs.get(p, False))
+    if loaded.ggml_types:
+        to_ggml(model, loaded.ggml_types)
+    if whole:
         try:
-            check_weights(model, weights, g.source)
+            check_weights(model, loaded.weights, source)
         except CheckpointError as e:
             raise GGUFFormatError(str(e)) from None
-    model.load_weights(list(weights.items()), strict=select is None)  # plan_tensors checked every shape
-    set_float_dtype(model, dtype or mx.float32)  # float tensors decode to float32 and are cast to dtype when given
-    model.eval()
-    mx.eval(weights)
-    return model, cfg
+    model.load_weights(list(loaded.weights.items()), strict=whole)  # plan_tensors checked every shape
 
 
 def _gguf_layer_bytes(g: GGUFFile, dtype, quantize, scale_dtype, requantize: bool) -> list[int]:

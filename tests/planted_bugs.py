@@ -209,8 +209,8 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "on-load quantization leaves lm_head float",
-        (("kimi_mlx/loading.py", "return base(path, module) and weight is not None",
-          'return base(path, module) and path != "lm_head" and weight is not None'),),
+        (("kimi_mlx/loading.py", "return quantizable(path, module) and weight is not None",
+          'return quantizable(path, module) and path != "lm_head" and weight is not None'),),
         ("tests/test_loading.py::test_on_load_quantization_keeps_router_and_norms_float",),
     ),
     PlantedBug(

@@ -1,6 +1,7 @@
 """The package is a house of floors: every import goes down (or stays on its floor), there are no import circles,
-only the model math's own users reach into ``layers/`` and ``ops/``, only ``ops/`` knows Metal, and the CLI starts
-without mlx-lm (which imports transformers).
+only the model math's own users reach into ``layers/`` and ``ops/``, only ``ops/`` knows Metal, the CLI starts
+without mlx-lm (which imports transformers), and the functions of the math, caches, generation and server stay short
+(at most ``MAX_FUNCTION_LINES``).
 
 Imports are read with ``ast`` from every module of the installed package (``kimi_mlx.convert`` and
 ``kimi_mlx.metal_kernels`` included), at module level and inside functions; ``from . import x`` counts as an import
@@ -179,6 +180,44 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
         "upward: kimi_mlx.tokenizer (floor 0) imports kimi_mlx.chat.format (floor 1)",
         "circle: kimi_mlx.chat.a -> kimi_mlx.chat.b -> kimi_mlx.chat.a",
     ]
+
+
+# Where every function stays short (the math, the caches, the generation loop, the HTTP layer): at most this many
+# lines from ``def`` to its last line, docstring included (a nested function counts on its own and in its parent).
+SHORT = ("kimi_mlx.models", "kimi_mlx.layers", "kimi_mlx.ops", "kimi_mlx.cache", "kimi_mlx.generate",
+         "kimi_mlx.sampling", "kimi_mlx.text_stream", "kimi_mlx.server")
+MAX_FUNCTION_LINES = 60
+
+
+def _long_functions(files: dict[str, tuple[Path, bool]], limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``file:line name (n lines)`` for every function of a ``SHORT`` module longer than ``limit`` lines."""
+    out = []
+    for name, (path, _) in sorted(files.items()):
+        if not _under(name, SHORT):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out.append(f"{path}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def test_functions_are_short():
+    """No function in models/, layers/, ops/, cache.py, generate.py, sampling.py, text_stream.py or server/ is
+    over ``MAX_FUNCTION_LINES`` lines: a longer one is split into named steps."""
+    long = _long_functions(_package_files())
+    assert not long, f"{len(long)} functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_the_length_check_counts_from_def_to_the_last_line(tmp_path):
+    """The checker itself: a function of 61 lines in a ``SHORT`` module is reported, one of 60 is not, nor a long
+    one outside ``SHORT``."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(59))
+    source = tmp_path / "cache.py"
+    source.write_text(f"def fits():\n{body}\n\nasync def too_long():\n{body}    return x0\n")
+    files = {"kimi_mlx.cache": (source, False), "kimi_mlx.config": (source, False)}
+    assert _long_functions(files) == [f"{source}:63 too_long (61 lines)"]
 
 
 HEAVY = ("mlx_lm", "transformers")

@@ -139,10 +139,10 @@ def shrink_to(model, dtype) -> None:
     """Cast float parameters back to ``dtype`` where that is exact (the loader's CPU default upcasts bf16/f16 to
     float32): the source's main float type is kept without losing a bit. Parameters the model keeps in float32
     (A_log, dt_bias, convs, router bias) and quantization scales/biases are left alone."""
-    keep = model.cast_predicate
+    casts = model.cast_predicate
     new = []
     for key, v in tree_flatten(model.parameters()):
-        if (not mx.issubdtype(v.dtype, mx.floating) or v.dtype == dtype or not keep(key)
+        if (not mx.issubdtype(v.dtype, mx.floating) or v.dtype == dtype or not casts(key)
                 or key.endswith((".scales", ".biases"))):
             continue
         small = v.astype(dtype)

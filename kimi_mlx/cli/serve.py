@@ -16,10 +16,19 @@ import logging
 import re
 import signal
 import sys
+from typing import TYPE_CHECKING, NamedTuple
 
 from . import ranks
 from .flags import (add_chat_args, add_kv_args, add_model_args, add_sampling_args, kv_from_args, load_from_args,
                     sampling_from_args)
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from ..models.kimi_k3 import K3Model
+    from ..models.kimi_linear import Model
+    from ..sampling import SamplingParams
+    from ..server.scheduler import Scheduler
 
 log = logging.getLogger("kimi_mlx.server")
 
@@ -88,9 +97,21 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _backend_parts(args: argparse.Namespace, group):
+class BackendParts(NamedTuple):
+    """What every rank builds before serving: the loaded model and tokenizer, the chat format's name, the (not yet
+    started) scheduler, the requests' default sampling and the prefix cache's budget in bytes."""
+
+    model: Model | K3Model
+    tokenizer: TokenizerWrapper
+    chat_format: str
+    scheduler: Scheduler
+    sampling: SamplingParams
+    prompt_cache_bytes: int
+
+
+def _backend_parts(args: argparse.Namespace, group) -> BackendParts:
     """Load the model and make its scheduler (every rank, in the same order: loading and the shared seed are
-    collectives); returns ``(model, tokenizer, chat format, scheduler, default sampling, cache budget)``."""
+    collectives)."""
     import mlx.core as mx
 
     from ..chat.format import detect_chat_format
@@ -112,7 +133,7 @@ def _backend_parts(args: argparse.Namespace, group):
     scheduler = Scheduler(model, max_batch=args.max_batch, max_queue=args.max_queue, prompt_cache_bytes=budget,
                           prefill_chunk=args.prefill_chunk, checkpoint_interval=args.checkpoint_interval, group=group,
                           **kv_from_args(args))
-    return model, tokenizer, chat_format, scheduler, sampling, budget
+    return BackendParts(model, tokenizer, chat_format, scheduler, sampling, budget)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,7 +147,7 @@ def _run(args: argparse.Namespace, group) -> int:
 
     if ranks.rank(group) != 0:  # the other ranks follow rank 0's engine until it stops serving
         try:
-            scheduler = _backend_parts(args, group)[3]
+            scheduler = _backend_parts(args, group).scheduler
         except RankError:
             return 2
         except (OSError, ValueError) as e:
@@ -157,14 +178,16 @@ def _serve(args: argparse.Namespace, group) -> int:
     failed: list[BaseException] = []
 
     def load() -> Backend:
-        model, tokenizer, chat_format, scheduler, sampling, budget = _backend_parts(args, group)
-        defaults = Defaults(max_tokens=args.max_tokens, sampling=sampling, thinking=args.think,
+        parts = _backend_parts(args, group)
+        defaults = Defaults(max_tokens=args.max_tokens, sampling=parts.sampling, thinking=args.think,
                             thinking_effort=args.effort, system=args.system)
-        vocab = min(len(tokenizer), model.args.vocab_size)
-        backend = Backend(scheduler.start(), tokenizer, chat_format, vocab, args.max_kv_size, defaults)
-        weights = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
-        log.info(f"kimi-mlx serve: {url} | model {model_id} ({chat_format} format) | weights {weights:.3g} GB, "
-                 f"memory in use {mx.get_active_memory() / 1e9:.2f} GB, prompt cache up to {budget / 1e9:.2f} GB "
+        vocab = min(len(parts.tokenizer), parts.model.args.vocab_size)
+        backend = Backend(parts.scheduler.start(), parts.tokenizer, parts.chat_format, vocab, args.max_kv_size,
+                          defaults)
+        weights = sum(v.nbytes for _, v in tree_flatten(parts.model.parameters())) / 1e9
+        log.info(f"kimi-mlx serve: {url} | model {model_id} ({parts.chat_format} format) | weights {weights:.3g} GB, "
+                 f"memory in use {mx.get_active_memory() / 1e9:.2f} GB, prompt cache up to "
+                 f"{parts.prompt_cache_bytes / 1e9:.2f} GB "
                  f"| max batch {args.max_batch}" + (" | API key required" if args.api_key else ""))
         return backend
 

@@ -152,18 +152,20 @@ class Model(nn.Module):
 
     @property
     def cast_predicate(self):
-        """Parameters that keep float32 whatever the model dtype."""
+        """``casts(path)``: True for the parameters cast to the model dtype (mlx-lm's convention), False for those
+        that stay float32 whatever it is (the router bias, ``A_log``, ``dt_bias``, the short conv)."""
 
-        def keep_dtype(path: str) -> bool:
+        def casts(path: str) -> bool:
             return not path.endswith(("e_score_correction_bias", "A_log", "dt_bias", "qkv_conv.weight"))
 
-        return keep_dtype
+        return casts
 
     @property
     def quant_predicate(self):
-        """Routers, AttnRes score projections and norms stay unquantized (only Linear/Embedding/Switch layers count)."""
+        """``quantizes(path, module)``: True for the modules that may be quantized (Linear / Embedding / Switch
+        layers), False for the routers, AttnRes score projections and norms (they stay float)."""
 
-        def predicate(path: str, module: nn.Module) -> bool:
+        def quantizes(path: str, module: nn.Module) -> bool:
             return not path.endswith(("mlp.gate", "_res.proj")) and hasattr(module, "to_quantized")
 
-        return predicate
+        return quantizes

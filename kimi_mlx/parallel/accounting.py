@@ -65,7 +65,7 @@ class Param:
     part: "layer" (of decoder layer ``layer``), "embed", "norm" (final norm), "head" or "output_attn_res" (K3).
     kind: "matrix" (the weight of a module the model's ``quant_predicate`` lets ``load`` quantize: Linear, Embedding,
     SwitchLinear, MultiLinear), "float" (kept in the model's float dtype: norms, routers, AttnRes scores) or
-    "float32" (kept float32 by the model's ``cast_predicate``: ``A_log``, ``dt_bias``, the short conv, the router
+    "float32" (those the model's ``cast_predicate`` does not cast: ``A_log``, ``dt_bias``, the short conv, the router
     bias).
     split: the ``TensorShare`` field that splits it across ranks (``shard.TENSOR_SPLITS``), None when every rank
     holds it whole; columns: it is cut by input columns (``shard.COLS``).
@@ -104,13 +104,13 @@ def parameters(cfg: KimiConfig) -> list[Param]:
     allocated."""
     model = (K3Model if cfg.is_k3 else Model)(cfg)
     modules = dict(model.named_modules())
-    keep_dtype, quantizable = model.cast_predicate, model.quant_predicate
+    casts, quantizable = model.cast_predicate, model.quant_predicate
     placed = _tensor_placement(modules)
     out = []
     for name, value in tree_flatten(model.parameters()):
         path, _, leaf = name.rpartition(".")
         module = modules[path]
-        if not keep_dtype(name):
+        if not casts(name):
             kind = "float32"
         else:
             kind = "matrix" if leaf == "weight" and quantizable(path, module) else "float"
@@ -205,7 +205,7 @@ def _account(cfg: KimiConfig, params: Sequence[Param], dtype: str, quantize: Opt
              stored: dict[str, Stored], source: str) -> Accounting:
     """Bytes of every parameter: ``stored`` as given, else quantized on load by ``quantize`` (matrices whose input
     width the group size divides, like ``loading.quantize_model``; scales in ``dtype``), else float: ``dtype``, or
-    float32 for what ``cast_predicate`` keeps."""
+    float32 for what ``cast_predicate`` does not cast."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPE_BYTES)}")
     size = DTYPE_BYTES[dtype]
@@ -230,7 +230,7 @@ def account_config(raw: dict, source: str = "config.json", dtype: Optional[str] 
     """Bytes as ``load`` holds a safetensors checkpoint with this ``config.json`` content (``raw``).
 
     dtype: ``load(dtype=...)``; None: the checkpoint's ``torch_dtype`` (what a Mac loads by default; parameters that
-        ``cast_predicate`` keeps are assumed stored float32, as in the released checkpoints).
+        ``cast_predicate`` does not cast are assumed stored float32, as in the released checkpoints).
     quantize: ``load(quantize=...)`` (affine); experts_mxfp4: routed experts held as MLX mxfp4 (as the released K3,
         whose ``quantization_config`` says so; then this is implied).
     tensor_names: the checkpoint's tensor names, when at hand: for an mlx-lm ``quantization`` entry, exactly the
@@ -335,8 +335,8 @@ def account_gguf(path, dtype: Optional[str] = None, quantize: Optional[QuantSpec
     bytes, split on whole blocks: the group is the block size), or with ``requantize`` become affine g32; MLA's
     per-head ``embed_q`` / ``unembed_out`` in such a type are decoded to float unless ``requantize`` (they have no
     block layer). Everything else is decoded to float: ``dtype``, float32 when None (``load``'s default for GGUF:
-    it decodes to float32 and casts only when given a dtype) and for what ``cast_predicate`` keeps. ``quantize``:
-    ``load(gguf, quantize=...)`` on top (block layers are not re-quantized).
+    it decodes to float32 and casts only when given a dtype) and for what ``cast_predicate`` does not cast.
+    ``quantize``: ``load(gguf, quantize=...)`` on top (block layers are not re-quantized).
     """
     from ..convert.gguf.arch import build_config, gguf_storage, plan_tensors
     from ..convert.gguf.quant import mlx_layout

@@ -24,6 +24,7 @@ from typing import Optional
 
 from fastapi import APIRouter, Request
 
+from ..chat.parser import ReplyEvent
 from ..text_stream import ReplyStream
 from .backend import (Backend, Prompt, choose_tools, reasoning_budget, reply_budget, render_prompt, resolve_thinking,
                       sampling_params, sse_data, sse_response, stop_ids, submit, watch_disconnect, with_keepalive)
@@ -148,73 +149,91 @@ def tool_use_id(msg_id: str, n: int) -> str:
     return f"toolu_{msg_id.removeprefix('msg_')}_{n}"
 
 
-async def _events(gen: Generation, model: str, msg_id: str, keepalive_s: float):
-    started = False
-    block: Optional[str] = None  # the open block's type
-    index = -1
-    calls = 0
+class _StreamedBlocks:
+    """The content blocks of a streamed message as SSE events (``content_block_start`` / ``_delta`` / ``_stop``):
+    ``open`` is the open block's type (None between blocks), ``index`` its index (-1 before the first), ``calls``
+    the ``tool_use`` blocks so far (they number the ids)."""
 
-    def start() -> str:
-        usage = {**_usage(gen), "output_tokens": 0}
-        return sse_data({"type": "message_start", "message": _message(model, msg_id, [], usage, None, None)},
-                        "message_start")
+    def __init__(self, msg_id: str):
+        self.msg_id = msg_id
+        self.open: Optional[str] = None
+        self.index = -1
+        self.calls = 0
 
-    def open_block(content_block: dict) -> list[str]:
-        nonlocal block, index
-        out = close_block()
-        index += 1
-        block = content_block["type"]
-        return out + [sse_data({"type": "content_block_start", "index": index, "content_block": content_block},
+    def add(self, ev: ReplyEvent) -> list[str]:
+        """The events of one reply event: reasoning and content continue the open block of their type or open
+        one; a tool call is a whole ``tool_use`` block (its arguments in one ``input_json_delta``)."""
+        out: list[str] = []
+        if ev.kind == "reasoning":
+            if self.open != "thinking":
+                out += self.start({"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self.delta({"type": "thinking_delta", "thinking": ev.text}))
+        elif ev.kind == "content":
+            if self.open != "text":
+                out += self.start({"type": "text", "text": ""})
+            out.append(self.delta({"type": "text_delta", "text": ev.text}))
+        elif ev.kind == "tool_call":
+            call = ev.tool_call
+            out += self.start({"type": "tool_use", "id": tool_use_id(self.msg_id, self.calls), "name": call.name,
+                               "input": {}})
+            self.calls += 1
+            out.append(self.delta({"type": "input_json_delta",
+                                   "partial_json": json.dumps(call.arguments, ensure_ascii=False)}))
+            out += self.stop()
+        return out
+
+    def finish(self) -> list[str]:
+        """Close the open block; an empty text block first if the message has none."""
+        out = self.start({"type": "text", "text": ""}) if self.index < 0 else []
+        return out + self.stop()
+
+    def start(self, content_block: dict) -> list[str]:
+        out = self.stop()
+        self.index += 1
+        self.open = content_block["type"]
+        return out + [sse_data({"type": "content_block_start", "index": self.index, "content_block": content_block},
                                "content_block_start")]
 
-    def close_block() -> list[str]:
-        nonlocal block
-        if block is None:
+    def stop(self) -> list[str]:
+        if self.open is None:
             return []
-        block = None
-        return [sse_data({"type": "content_block_stop", "index": index}, "content_block_stop")]
+        self.open = None
+        return [sse_data({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
 
-    def delta(d: dict) -> str:
-        return sse_data({"type": "content_block_delta", "index": index, "delta": d}, "content_block_delta")
+    def delta(self, d: dict) -> str:
+        return sse_data({"type": "content_block_delta", "index": self.index, "delta": d}, "content_block_delta")
 
+
+def _message_start(gen: Generation, model: str, msg_id: str) -> str:
+    usage = {**_usage(gen), "output_tokens": 0}
+    return sse_data({"type": "message_start", "message": _message(model, msg_id, [], usage, None, None)},
+                    "message_start")
+
+
+async def _events(gen: Generation, model: str, msg_id: str, keepalive_s: float):
+    """The SSE events of a streamed message: ``message_start`` with the first piece, ``ping`` while waiting longer
+    than ``keepalive_s``, the content blocks' events (``_StreamedBlocks``), then ``message_delta`` and
+    ``message_stop`` (or an ``error`` event if generation failed)."""
+    blocks = _StreamedBlocks(msg_id)
+    started = False
     async for piece in with_keepalive(gen, keepalive_s):
         if piece is None:
             yield sse_data({"type": "ping"}, "ping")
             continue
         if not started:
             started = True
-            yield start()
+            yield _message_start(gen, model, msg_id)
         for ev in piece.events:
-            out: list[str] = []
-            if ev.kind == "reasoning":
-                if block != "thinking":
-                    out += open_block({"type": "thinking", "thinking": "", "signature": ""})
-                out.append(delta({"type": "thinking_delta", "thinking": ev.text}))
-            elif ev.kind == "content":
-                if block != "text":
-                    out += open_block({"type": "text", "text": ""})
-                out.append(delta({"type": "text_delta", "text": ev.text}))
-            elif ev.kind == "tool_call":
-                call = ev.tool_call
-                out += open_block({"type": "tool_use", "id": tool_use_id(msg_id, calls), "name": call.name,
-                                   "input": {}})
-                calls += 1
-                out.append(delta({"type": "input_json_delta",
-                                  "partial_json": json.dumps(call.arguments, ensure_ascii=False)}))
-                out += close_block()
-            for text in out:
+            for text in blocks.add(ev):
                 yield text
     if not started:
-        yield start()
+        yield _message_start(gen, model, msg_id)
     if gen.reason == "error":
         yield sse_data(ApiError(500, GENERATION_FAILED).anthropic_body(), "error")
         return
-    if index < 0:
-        for text in open_block({"type": "text", "text": ""}):
-            yield text
-    for text in close_block():
+    for text in blocks.finish():
         yield text
-    yield sse_data({"type": "message_delta", "delta": {"stop_reason": _stop_reason(gen, calls),
+    yield sse_data({"type": "message_delta", "delta": {"stop_reason": _stop_reason(gen, blocks.calls),
                                                         "stop_sequence": gen.stop_string},
                     "usage": {"output_tokens": gen.completion_tokens}}, "message_delta")
     yield sse_data({"type": "message_stop"}, "message_stop")

@@ -14,6 +14,7 @@ after), so ``/health`` answers 503 while it loads and 200 when it is ready.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import importlib.metadata
 import logging
@@ -94,48 +95,73 @@ def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, 
     keep-alive (an SSE comment; Anthropic: a ``ping`` event). ``on_load_error(exc)``: called if loading fails (the
     app keeps answering ``/health`` with 503)."""
     state = ServerState(model_id, api_key, int(max_body_mb * 2**20), keepalive_s)
+    app = FastAPI(lifespan=_lifespan(state, source, on_load_error), docs_url=None, redoc_url=None)
+    app.state.server = state
+    app.include_router(openai_routes.router, dependencies=[Depends(_check_key)])
+    app.include_router(anthropic_routes.router, dependencies=[Depends(_check_key)])
+    app.openapi = functools.partial(_cached_openapi_schema, app, model_id, api_key is not None)
+    app.head("/health", operation_id="health_head")(app.get("/health")(health))
+    _add_error_handlers(app)
+    return app
 
-    def load() -> None:
-        try:
-            state.backend = source()
-        except Exception as e:  # noqa: BLE001 - reported on /health and to on_load_error
-            state.load_error = f"{type(e).__name__}: {e}"
-            log.error(f"loading failed: {state.load_error}")
-            if on_load_error is not None:
-                on_load_error(e)
-        finally:
-            mx.synchronize()
-            mx.clear_streams()  # this thread's MLX streams (the weights it loaded are evaluated: they stay)
+
+def _load(state: ServerState, source: Callable[[], Backend],
+          on_load_error: Optional[Callable[[BaseException], None]]) -> None:
+    """Load the backend into ``state`` (the loading thread's body): a failure is kept for ``/health`` and passed to
+    ``on_load_error``."""
+    try:
+        state.backend = source()
+    except Exception as e:  # noqa: BLE001 - reported on /health and to on_load_error
+        state.load_error = f"{type(e).__name__}: {e}"
+        log.error(f"loading failed: {state.load_error}")
+        if on_load_error is not None:
+            on_load_error(e)
+    finally:
+        mx.synchronize()
+        mx.clear_streams()  # this thread's MLX streams (the weights it loaded are evaluated: they stay)
+
+
+def _lifespan(state: ServerState, source: Union[Backend, Callable[[], Backend]],
+              on_load_error: Optional[Callable[[BaseException], None]]):
+    """The app's lifespan: at start-up a ready backend goes into ``state``, a loading function starts in a
+    background thread (``_load``); at shutdown the backend's scheduler stops."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if callable(source):
-            threading.Thread(target=load, name="kimi-mlx-load", daemon=True).start()
+            threading.Thread(target=_load, args=(state, source, on_load_error), name="kimi-mlx-load",
+                             daemon=True).start()
         else:
             state.backend = source
         yield
         if state.backend is not None:
             state.backend.scheduler.stop()
 
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.server = state
-    app.include_router(openai_routes.router, dependencies=[Depends(_check_key)])
-    app.include_router(anthropic_routes.router, dependencies=[Depends(_check_key)])
+    return lifespan
 
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            app.openapi_schema = openapi_schema(app, model_id, api_key is not None)
-        return app.openapi_schema
 
-    app.openapi = openapi
+def _cached_openapi_schema(app: FastAPI, model_id: str, api_key: bool) -> dict:
+    """``app.openapi()``: ``openapi_schema``, made on the first call and kept in ``app.openapi_schema``."""
+    if app.openapi_schema is None:
+        app.openapi_schema = openapi_schema(app, model_id, api_key)
+    return app.openapi_schema
 
-    @app.head("/health", operation_id="health_head")
-    @app.get("/health")
-    async def health():
-        if state.backend is None:
-            status = {"status": "error", "error": state.load_error} if state.load_error else {"status": "loading"}
-            return JSONResponse(status, status_code=503)
-        return {"status": "ok", "model": state.model_id, "stats": state.backend.scheduler.stats}
+
+# GET/HEAD /health: 200 with the model id and the scheduler's stats once the backend is ready; 503 with
+# {"status": "loading"} while it loads, {"status": "error", "error": ...} if loading failed. (No docstring: it would
+# become the route's description in the OpenAPI document.)
+async def health(request: Request):
+    state = request.app.state.server
+    if state.backend is None:
+        status = {"status": "error", "error": state.load_error} if state.load_error else {"status": "loading"}
+        return JSONResponse(status, status_code=503)
+    return {"status": "ok", "model": state.model_id, "stats": state.backend.scheduler.stats}
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Errors as JSON in the route's style (``_error_response``): API errors, HTTP errors (404 names the route), an
+    unexpected exception as a bare 500 (its details only in the log); a client gone while sending its body is one
+    log line."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError):
@@ -155,5 +181,3 @@ def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, 
     async def internal_error(request: Request, err: Exception):
         log.error(f"{request.method} {request.url.path} | internal error: {type(err).__name__}: {err}")
         return _error_response(request, ApiError(500, INTERNAL_ERROR))
-
-    return app

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
@@ -99,14 +100,27 @@ def matvec_metal(
     (capped at N; more than ``kimi_mlx.metal.MAX_THREADS_PER_THREADGROUP / 32`` = 16 is a ValueError); every pair
     decodes its own row, so this is for few rows of x. None when kernels are not enabled.
     Gradient w.r.t. x: the pure path's."""
+    rows = _check_matvec(x, blocks, name, indices, rows_per_threadgroup)
+    kernel = metal.kernel(MATVEC_KERNEL)
+    if kernel is None:
+        return None
+    pairs = _MatvecPairs.of(x, blocks, indices)
+    run = functools.partial(_matvec_launch, kernel, pairs, name, rows)
+    reference = functools.partial(_matvec_reference, pairs, blocks, name, indices is None)
+    return metal.with_reference_vjp(run, reference)(x)[0]
+
+
+def _check_matvec(x: mx.array, blocks: mx.array, name: str, indices: Optional[mx.array],
+                  rows_per_threadgroup: int) -> int:
+    """The output rows per threadgroup (``rows_per_threadgroup`` capped at N); ValueError for arguments
+    ``matvec_metal`` does not take."""
     what = "matvec_metal"
     nb = _check_blocks(blocks, name, 2 if indices is None else 3, what)
     if indices is None and blocks.ndim != 2:
         raise ValueError(f"{what}: {name} blocks must be [N, row_bytes] without indices, got {tuple(blocks.shape)}")
     if x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{what}: x dtype must be float32/float16/bfloat16, got {x.dtype}")
-    f = get_format(name)
-    K = nb * f.block_elems
+    K = nb * get_format(name).block_elems
     if x.ndim < 1 or x.shape[-1] != K:
         raise ValueError(f"{what}: x must be [..., {K}] for {name} rows of {blocks.shape[-1]} bytes, got {x.shape}")
     if rows_per_threadgroup < 1:
@@ -118,34 +132,51 @@ def matvec_metal(
                             hint=f"at most {most} rows")  # fmt: skip
     if indices is not None and not mx.issubdtype(indices.dtype, mx.integer):
         raise ValueError(f"{what}: indices must be integers, got {indices.dtype}")
-    kernel = metal.kernel(MATVEC_KERNEL)
-    if kernel is None:
-        return None
-    if indices is None:  # one expert, every pair reads it
-        shape = x.shape[:-1]
-        P = math.prod(shape)
-        experts, idx = blocks[None], mx.zeros((P,), mx.int32)
-    else:
+    return rows
+
+
+@dataclass(frozen=True)
+class _MatvecPairs:
+    """The (x row, expert) pairs of a mat-vec: ``shape`` S of the output's leading dimensions, their count P, the
+    experts ``[E, N, row_bytes]`` (one, ``[1, N, row_bytes]``, for a plain product) and each pair's expert ``idx``
+    ``[P]`` int32."""
+
+    shape: tuple
+    count: int
+    experts: mx.array
+    idx: mx.array
+
+    @classmethod
+    def of(cls, x: mx.array, blocks: mx.array, indices: Optional[mx.array]) -> _MatvecPairs:
+        if indices is None:  # one expert, every pair reads it
+            shape = tuple(x.shape[:-1])
+            P = math.prod(shape)
+            return cls(shape, P, blocks[None], mx.zeros((P,), mx.int32))
         shape = tuple(mx.broadcast_shapes(x.shape[:-1], indices.shape))
         P = math.prod(shape)
-        experts, idx = blocks, mx.broadcast_to(indices, shape).reshape(P).astype(mx.int32)
+        return cls(shape, P, blocks, mx.broadcast_to(indices, shape).reshape(P).astype(mx.int32))
 
-    def run(xa):
-        (y,) = kernel(
-            inputs=[mx.broadcast_to(xa, (*shape, K)).reshape(P, K), experts, *_tables(name), idx],
-            template=[("TYPE", int(f.qtype)), ("OT", xa.dtype)],
-            grid=(32, N, P),
-            threadgroup=(32, rows, 1),
-            output_shapes=[(P, N)],
-            output_dtypes=[xa.dtype],
-        )
-        return [y.reshape(*shape, N)]
 
-    def reference(xa):
-        if indices is None:
-            return [xa @ dequantize(blocks, name).astype(xa.dtype).T]
-        w = dequantize(blocks[idx], name).astype(xa.dtype)  # [P, N, K]: only the selected experts
-        x2 = mx.broadcast_to(xa, (*shape, K)).reshape(P, 1, K)
-        return [(x2 @ w.swapaxes(-1, -2)).reshape(*shape, N)]
+def _matvec_launch(kernel, pairs: _MatvecPairs, name: str, rows: int, x: mx.array) -> list[mx.array]:
+    """The kernel's ``[*S, N]`` product: grid ``(32, N, P)``, threadgroup ``(32, rows, 1)``."""
+    S, P, K = pairs.shape, pairs.count, x.shape[-1]
+    N = pairs.experts.shape[-2]
+    (y,) = kernel(
+        inputs=[mx.broadcast_to(x, (*S, K)).reshape(P, K), pairs.experts, *_tables(name), pairs.idx],
+        template=[("TYPE", int(get_format(name).qtype)), ("OT", x.dtype)],
+        grid=(32, N, P),
+        threadgroup=(32, rows, 1),
+        output_shapes=[(P, N)],
+        output_dtypes=[x.dtype],
+    )
+    return [y.reshape(*S, N)]
 
-    return metal.with_reference_vjp(run, reference)(x)[0]
+
+def _matvec_reference(pairs: _MatvecPairs, blocks: mx.array, name: str, plain: bool, x: mx.array) -> list[mx.array]:
+    """The same product through the pure path (``x @ dequantize(W)ᵀ``), for the gradient."""
+    if plain:
+        return [x @ dequantize(blocks, name).astype(x.dtype).T]
+    S, P, K = pairs.shape, pairs.count, x.shape[-1]
+    w = dequantize(blocks[pairs.idx], name).astype(x.dtype)  # [P, N, K]: only the selected experts
+    x2 = mx.broadcast_to(x, (*S, K)).reshape(P, 1, K)
+    return [(x2 @ w.swapaxes(-1, -2)).reshape(*S, w.shape[-2])]
