@@ -38,7 +38,7 @@ class PlantedBug:
 
 
 BUGS: tuple[PlantedBug, ...] = (
-    # -- sampling options (issue 11 item 1)
+    # -- generation, sampling and chat: the sampling options
     PlantedBug(
         "sampling: every option ignored (always greedy)",
         (("kimi_mlx/sampling.py", "    return sampler, processors\n", "    return make_sampler(), []\n"),),
@@ -158,13 +158,14 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/sampling.py", "if not _is_real(value) or not low <= value <= high:", "if not _is_real(value):"),),
         ("tests/test_sampling.py::test_sampling_params_name_the_bad_option",),
     ),
-    # -- eps conventions and parity bounds (items 2, 3, 6)
+    # -- loading, GGUF and conversion: llama.cpp's norm epsilons for GGUF files
     PlantedBug(
         "GGUF loader drops llama.cpp's norm-eps conventions (HF's 1e-6 instead)",
         (("convert/gguf/arch.py", "        mla_kv_norm_eps=eps, mla_q_norm_eps=eps, kda_l2_eps=eps * eps,\n", ""),),
         ("tests/test_gguf_load.py::test_logits_match_llama_cpp[kimi_linear-F32]",
          "tests/test_gguf_load.py::test_logits_match_llama_cpp[kimi_k3-Q8_0]"),
     ),
+    # -- model math and ops: norm epsilon conventions, dtypes on the CPU backend
     PlantedBug(
         "KimiConfig.from_hf ignores mla_kv_norm_eps",
         (("kimi_mlx/config.py", 'for name in ("mla_kv_norm_eps", "mla_q_norm_eps", "kda_l2_eps"):',
@@ -207,6 +208,7 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/layers/moe.py", "w is not None and w.dtype != mx.float32", "w is not None and w.dtype == mx.float16"),),
         ("tests/test_generate.py::test_bfloat16_model_runs_on_cpu",),
     ),
+    # -- loading, GGUF and conversion: quantization on load
     PlantedBug(
         "on-load quantization leaves lm_head float",
         (("kimi_mlx/loading.py", "return quantizable(path, module) and weight is not None",
@@ -218,7 +220,7 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/loading.py", 'spec.setdefault("group_size", 64)', 'spec["group_size"] = 64'),),
         ("tests/test_loading.py::test_on_load_quantization_keeps_router_and_norms_float",),
     ),
-    # -- cache contents after undo / interrupt / system change / regenerate (item 4)
+    # -- caches: checkpoint restore
     PlantedBug(
         "checkpoint restore keeps a stale KDA conv state",
         (("kimi_mlx/cache.py", "self.conv_state, self.recurrent_state = state", "self.recurrent_state = state[1]"),),
@@ -237,6 +239,7 @@ BUGS: tuple[PlantedBug, ...] = (
         ("tests/test_chat_session.py::test_ctrl_c_inside_a_model_call",
          "tests/test_chat_session.py::test_undo_rolls_back_to_the_previous_reply"),
     ),
+    # -- generation, sampling and chat: the session's cache after undo / interrupt / system change
     PlantedBug(
         "session rollback with no checkpoint zeroes the offsets instead of emptying the cache (stale KDA states)",
         (("kimi_mlx/chat/session.py", "        else:\n            self.cache.reset()\n",
@@ -249,13 +252,14 @@ BUGS: tuple[PlantedBug, ...] = (
           "            for c in self.cache:\n                c.offset = len(self.tokens)\n"),),
         ("tests/test_chat_session.py::test_ctrl_c_inside_a_model_call",),
     ),
+    # -- caches: trim
     PlantedBug(
         "cache trim drops the latent positions but leaves the KDA conv and recurrent states where they were",
         (("kimi_mlx/cache.py", "        self.restore(cp)\n        return n\n",
           "        for c in self:\n            c.trim(n)\n            c.offset = target\n        return n\n"),),
         ("tests/test_cache_trim.py::test_trim_equals_the_cache_fed_fewer_tokens",),
     ),
-    # -- chat formats against the official templates, tool-call ids (issue 20 item 2)
+    # -- generation, sampling and chat: chat formats against the official templates, tool-call ids
     PlantedBug(
         "chat: the reply parser lets a RecursionError out of deeply nested tool-call JSON",
         (("kimi_mlx/chat/parser.py", "    except RecursionError:\n        raise json.JSONDecodeError(",
@@ -347,7 +351,7 @@ BUGS: tuple[PlantedBug, ...] = (
           "answer_order(calls, messages, complete=False)"),),
         ("tests/test_chat_tool_ids.py::test_session_tool_results_in_call_order",),
     ),
-    # -- error types, platform guards, LoRA truncation (items 5, 7, 8)
+    # -- LoRA: truncation through our own loop
     PlantedBug(
         "LoRA training ignores max_seq_length (no truncation)",
         (("kimi_mlx/tuner/trainer.py", "iterate_batches(train_set, args.batch_size, args.max_seq_length,",
@@ -360,6 +364,7 @@ BUGS: tuple[PlantedBug, ...] = (
           "steps_per_save=args.save_every,\n"),),
         ("tests/test_lora.py::test_cli_lora_fuse_generate_demo",),
     ),
+    # -- loading, GGUF and conversion: errors that name the cause
     PlantedBug(
         "a GGML-block (IQ, Q6_K) tensor in to_mlx without requantize raises a bare ValueError, not GGUFQuantError",
         (("convert/gguf/quant.py", "    if qtype in GGML_BLOCKS and not requantize:\n        raise GGUFQuantError(",
@@ -385,6 +390,7 @@ BUGS: tuple[PlantedBug, ...] = (
           "        if len(name.encode()) >= 2**20:"),),
         ("tests/test_gguf_malformed.py::test_malformed[k3-n_tensors-plus-1]",),
     ),
+    # -- packaging, layering and platform: platform guards in the tests
     PlantedBug(
         "a test reads /proc/self/smaps unguarded (errors on macOS)",
         (("tests/test_gguf_load.py", "@pytest.mark.skipif(not Path(\"/proc/self/smaps\").exists(),\n"
@@ -392,7 +398,7 @@ BUGS: tuple[PlantedBug, ...] = (
           ""),),
         ("tests/test_platform_guards.py",),
     ),
-    # -- distributed (issue 12)
+    # -- distributed: expert parallel, plan vs load, pipeline stages, watchdog
     PlantedBug(
         "expert parallel: slots routed to other ranks' experts are not zeroed (decode counts them on local expert 0)",
         (("kimi_mlx/parallel/shard.py", "        return mx.where(local[..., None], y, 0).sum(axis=-2)",
@@ -420,7 +426,7 @@ BUGS: tuple[PlantedBug, ...] = (
           "        except ZeroDivisionError:\n            pass\n        os._exit(EXIT_STATUS)")),
         ("tests/test_parallel_health.py::test_a_lost_rank_ends_the_others_when_their_stderr_is_gone",),
     ),
-    # -- server caches (issue 13)
+    # -- caches: batch merge / filter, pages shared with snapshots, the prefix cache's eviction
     PlantedBug(
         "server cache: merge_caches puts a shorter cache's zero MLA latents after its positions, not in front",
         (("kimi_mlx/cache.py", "stacked.append(tuple(latent.concatenate([q[j] for q in pieces], axis=2) for j in",
@@ -450,6 +456,7 @@ BUGS: tuple[PlantedBug, ...] = (
           "key=lambda e: e.last_used"),),
         ("tests/test_prefix_cache.py::test_budget_evicts_least_recently_used_with_system_last",),
     ),
+    # -- server: the serving engine and its APIs
     PlantedBug(
         "scheduler: the reply snapshot claims the last generated token (never fed to the cache)",
         (("kimi_mlx/server/scheduler.py", "r.request.tokens + r.generated[:-1]", "r.request.tokens + r.generated"),),
@@ -501,7 +508,7 @@ BUGS: tuple[PlantedBug, ...] = (
           "        finally:\n"),),
         ("tests/test_server_api.py::test_disconnect_stops_the_generation",),
     ),
-    # -- server: every accepted value checked before the engine (issue 20)
+    # -- server: every accepted value checked before the engine
     PlantedBug(
         "serve: a negative seed reaches mx.random.key unmapped",
         (("kimi_mlx/server/sampling.py", "mx.random.key(seed % 2**64)", "mx.random.key(seed)"),),
@@ -582,6 +589,7 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/server/scheduler.py", "            if token in budget.ends:\n", "            if False:\n"),),
         ("tests/test_server_scheduler.py::test_reasoning_budget",),
     ),
+    # -- loading, GGUF and conversion: GGML block types kept as blocks
     PlantedBug(
         "GGUF: block types (IQ*, Q6_K) are decoded to float instead of kept as blocks",
         (("convert/gguf/arch.py",
@@ -589,6 +597,7 @@ BUGS: tuple[PlantedBug, ...] = (
           '        return "float"'),),
         ("tests/test_gguf_native.py::test_native_blocks_match_their_f32_twin",),
     ),
+    # -- model math and ops: GGML block ops
     PlantedBug(
         "ggml: IQ1 weights shifted by +delta whatever the block's delta sign",
         (("kimi_mlx/ops/ggml/dequant.py", "    return dl * (_grid(name, idx) + delta)",
@@ -613,12 +622,12 @@ BUGS: tuple[PlantedBug, ...] = (
           'y = ggml_expert_matmul(x, layer["weight"], layer.ggml_type, 0)'),),
         ("tests/test_gguf_native.py::test_native_blocks_match_their_f32_twin",),
     ),
+    # -- Metal kernels: GGML mat-vec, launch limits and 64-bit indices
     PlantedBug(
         "ggml Metal: the mat-vec kernel keeps lane 0's partial sum (no simd_sum)",
         (("metal_kernels/ggml_matvec.metal", "acc = simd_sum(acc);", "acc = acc;"),),
         ("tests/test_metal_ggml.py::test_matvec_plain_and_gathered",),
     ),
-    # -- Metal launch limits and 64-bit indices (issue 20 item 4)
     PlantedBug(
         "Metal limits: mla_decode's threadgroup memory unchecked (simdgroups=16 at kv_lora 512 asks for 32,896 bytes)",
         (("kimi_mlx/ops/mla_attention_metal.py", "    memory = decode_threadgroup_bytes(simdgroups, r) if decode else 0\n",
@@ -659,7 +668,7 @@ BUGS: tuple[PlantedBug, ...] = (
         (("metal_kernels/mla_decode.metal", "const ulong row = (ulong)b * H + h;", "const uint row = b * H + h;"),),
         ("tests/test_metal_limits.py::test_mla_indices_past_uint",),
     ),
-    # -- paged latent cache (issue 20 item 3)
+    # -- caches: the paged latent cache, the prefix cache's bytes
     PlantedBug(
         "latent cache: grows by copying (one page as long as the cache, regrown at every write)",
         (("kimi_mlx/cache.py", "P, n, done = self.page_size, kv_latent.shape[2], 0",
@@ -695,6 +704,7 @@ BUGS: tuple[PlantedBug, ...] = (
          ("kimi_mlx/server/prefix_cache.py", "del self._held[id(h)]", "del self._held[id(snap), id(h)]")),
         ("tests/test_prefix_cache.py", "tests/test_cache_pages.py::test_prefix_cache_counts_shared_pages_once"),
     ),
+    # -- Metal kernels: MLA attention over pages
     PlantedBug(
         "MLA Metal: pages merged by a plain average, not by their log-sum-exps",
         (("kimi_mlx/ops/mla_attention_metal.py", "w = mx.exp(lse - top)[..., None]",
@@ -706,13 +716,14 @@ BUGS: tuple[PlantedBug, ...] = (
         (("metal_kernels/mla_prefill.metal", "lse[row] = m + metal::log(l);", "lse[row] = m;"),),
         ("tests/test_metal_mla_attention.py::test_log_sum_exp_output",),
     ),
+    # -- model math and ops: the left-padded MLA mask
     PlantedBug(
         "left-padded MLA mask hides each row's first real token",
         (("kimi_mlx/ops/mla_paths.py", "real_key = k_pos[None, None, :] >= self.left_padding[:, None, None]",
           "real_key = k_pos[None, None, :] > self.left_padding[:, None, None]"),),
         ("tests/test_mla_blockwise.py", "tests/test_cache_merge.py"),
     ),
-    # -- memory on a Mac (issue 20 items 5 and 6)
+    # -- packaging, layering and platform: memory on a Mac
     PlantedBug(
         "plan: a host's whole memory counted as its GPU working set",
         (("kimi_mlx/parallel/cost.py", "        return default_working_set(int(self.memory_gib * GIB))\n",
@@ -753,13 +764,14 @@ BUGS: tuple[PlantedBug, ...] = (
           "default_cache_limit()"),),
         ("tests/test_mac_memory.py::test_serve_caps_the_buffer_cache",),
     ),
+    # -- model math and ops: the GGML embedding's dtype
     PlantedBug(
         "GGML embedding returns float32 whatever the model's dtype",
         (("kimi_mlx/layers/ggml.py", "dequantize(self[\"weight\"][ids], self.ggml_type).astype(self.dtype)",
           "dequantize(self[\"weight\"][ids], self.ggml_type)"),),
         ("tests/test_gguf_native.py::test_block_embedding_keeps_a_bfloat16_model_in_bfloat16",),
     ),
-    # -- layering: floors, circles, start-up imports
+    # -- packaging, layering and platform: layering (floors, circles, start-up imports)
     PlantedBug(
         "layering: the tokenizer asks chat/ for its format inside a function (an upward import)",
         (("kimi_mlx/tokenizer.py", "        model_dir = Path(model_dir)\n        if not model_dir.is_dir():\n",

@@ -7,8 +7,8 @@ layout, float, MLX-quantized or GGML blocks: ``layers/ggml.py``).
 Two ways to run the routed experts, same parameters, same result:
 - few (token, slot) pairs (decode): mlx-lm's ``SwitchGLU`` (``gather_mm`` / ``gather_qmm``, one row at a time);
 - many pairs (prefill): ``sorted_switch_glu`` sorts the pairs by expert and runs every expert as one dense matmul
-  over its contiguous rows (``quantized_matmul`` on the expert's slice for quantized stacks). On the CPU backend
-  this is ~10x faster than ``gather_mm`` at 2048 tokens with a real BLAS (see bench/README.md).
+  over its contiguous rows (``quantized_matmul`` on the expert's slice for quantized stacks), from
+  ``SORTED_MIN_PAIRS`` pairs on (where each path wins: bench/README.md, ``bench_vs_mlx_lm.py``).
 The sorted path reads the per-expert counts on the host (one sync per MoE layer). It is differentiable (plain
 slices, matmuls and gathers), so training goes through it too; inside ``mx.compile`` / ``mx.vmap`` (no host reads)
 and for expert layers it does not know (DoRA wrappers, nvfp4 with a global scale) it falls back to SwitchGLU;
@@ -114,14 +114,12 @@ def route(
 _route_compiled = mx.compile(route)
 
 
-# Use the sorted dense-per-expert path from this many (token, slot) pairs on (tokens * top_k). Measured on the CPU
-# backend (2 cores, hidden 768, 16 experts x 256, top-4, vs SwitchGLU's gather_mm with sorted_indices): with
-# OpenBLAS float32 it wins from 64 pairs (2x at 16 tokens, 3.7x at 128, 7x at 2048) and loses below (0.5-0.9x);
-# with the wheel's reference BLAS both are within noise (0.6-1.4x). 4-bit: 4.6x at 128 tokens, 5.7-12x at 512-2048
-# with OpenBLAS (dequantize path), 1.25x with the reference BLAS. Decode (1 token = top_k pairs) stays on SwitchGLU.
+# Use the sorted dense-per-expert path from this many (token, slot) pairs on (tokens * top_k): below it the
+# per-expert matmuls cost more than SwitchGLU's gather_mm saves (the crossover: bench/README.md,
+# ``bench_vs_mlx_lm.py``). Decode (1 token = top_k pairs) stays on SwitchGLU.
 SORTED_MIN_PAIRS = 64
 # Quantized experts with at least this many rows are dequantized (one expert at a time) and run as a dense matmul:
-# the CPU quantized_matmul does not use BLAS (~3 GFLOP/s here), a dequantize + sgemm does.
+# the CPU quantized_matmul does not use BLAS, a dequantize + sgemm does.
 DEQUANT_MIN_ROWS = 8
 
 

@@ -23,7 +23,7 @@ second half, exclusive suffix over the first half), so it cannot overflow, needs
 not suffer the cancellation of ``G_i - G_j`` when a -1000 step sits earlier in the chunk. The diagonal is
 ``q_i . k_i`` (Aqk) / 0 (Akk). The unit-lower-triangular inverse uses the same block levels
 (``[[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1, D^-1]]``), i.e. blocked forward substitution with matmuls,
-so everything is plain differentiable MLX ops (``mx.linalg.tri_inv`` / ``solve_triangular`` have no VJP in MLX 0.32)
+so everything is plain differentiable MLX ops (``mx.linalg.tri_inv`` / ``solve_triangular`` have no VJP in MLX)
 and no exponent anywhere is positive, so gradients stay finite too (exp(-1000) = 0 just gives zero gradient).
 
 Cost: O(T C Dk) for the intra-chunk matrices, O(T Dk Dv) matmuls, and a sequential loop over ``T / C`` chunks.

@@ -1,14 +1,14 @@
 """A watchdog that ends every rank of a distributed run when one rank is lost, instead of leaving the others blocked
 in a collective forever.
 
-With MLX 0.32.4's ``ring`` backend a collective raises ``[ring] connection to a peer was lost`` in the other ranks
-when a rank's process ends (its sockets close), without naming the rank, and waits forever when a rank stops
-answering with its sockets still open (measured with a stopped process; a frozen one, or a host that lost power or
-its link, looks the same over TCP): MLX's collectives have no timeout. So each rank other than 0 keeps one TCP connection to rank 0, a side channel independent of
+With MLX's ``ring`` backend a collective raises ``[ring] connection to a peer was lost`` in the other ranks when a
+rank's process ends (its sockets close), without naming the rank, and waits forever when a rank stops answering with its
+sockets still open (a stopped or frozen process, or a host that lost power or its link: alike over TCP): MLX's
+collectives have no timeout. So each rank other than 0 keeps one TCP connection to rank 0, a side channel independent of
 the backend, and a daemon thread on each end sends a heartbeat every ``interval`` seconds. A connection that closes
-without a goodbye, or no heartbeat for ``timeout`` seconds, means that rank is lost: rank 0 tells the others, and
-every remaining rank prints ``kimi-mlx: error: rank K (host) lost: ...`` and ends its process with status 1
-(``os._exit``: its main thread may be blocked inside a collective, where no exception can reach it).
+without a goodbye, or no heartbeat for ``timeout`` seconds, means that rank is lost: rank 0 tells the others, and every
+remaining rank prints ``kimi-mlx: error: rank K (host) lost: ...`` and ends its process with status 1 (``os._exit``: its
+main thread may be blocked inside a collective, where no exception can reach it).
 
 A rank that ends normally (or by an exception that reaches the interpreter's exit) says goodbye at exit and waits
 for rank 0's answer, so ranks that finish at different times raise no alarm, and a rank that leaves just after a

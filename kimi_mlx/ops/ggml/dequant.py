@@ -42,8 +42,8 @@ def dequantize(blocks: mx.array, name: str) -> mx.array:
 
 @functools.cache
 def _compiled(name: str):
-    """``_DEQUANT[name]`` under ``mx.compile`` (its elementwise steps fused: 1.45x faster on the CPU backend for
-    IQ2_XXS; the same bits, since no product rounds)."""
+    """``_DEQUANT[name]`` under ``mx.compile``: its elementwise steps fused, with the same bits, since no product
+    rounds."""
     return mx.compile(_DEQUANT[name])
 
 
@@ -96,8 +96,8 @@ def _ksign_bytes(idx: mx.array) -> mx.array:
 @functools.cache
 def _signed_grid(name: str) -> mx.array:
     """[entries * 2**lanes, lanes] float32: grid row e with lane j negated where bit j of p is set, at row
-    ``e * 2**lanes + p``. One lookup then gives the signed row (3x faster than grid lookup + sign bits on the CPU
-    backend for IQ2_XXS); a negation is exact, so ``d * row`` equals gguf-py's ``(d * grid) * sign`` bit for bit.
+    ``e * 2**lanes + p``. One lookup then gives the signed row (instead of a grid lookup and a sign-bit lookup); a
+    negation is exact, so ``d * row`` equals gguf-py's ``(d * grid) * sign`` bit for bit.
     Sizes: 2 MiB (IQ2_XXS), 4 MiB (IQ2_XS), 8 MiB (IQ2_S), 64 KiB (IQ3_XXS), 128 KiB (IQ3_S)."""
     grid = tables(name)["grid"].astype(np.float32)
     n, lanes = grid.shape

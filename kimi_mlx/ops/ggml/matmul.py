@@ -110,7 +110,8 @@ def ggml_matmul(
 
     Float32 math. W is dequantized ``max(1, max_chunk_bytes // (4*K))`` rows at a time, so at most
     ``max(max_chunk_bytes, 4*K)`` bytes of dequantized weights (default 64 MiB) exist at once, forward and backward;
-    building one chunk takes temporaries of up to ~5x its size (measured on the CPU backend)."""
+    building one chunk takes temporaries of a few times its size (``test_chunk_memory_bound`` in
+    tests/test_ggml_blocks.py holds the peak under 8 chunks)."""
     _check(x, blocks, name, 2)
     if metal.enabled() and x.size // x.shape[-1] <= MATVEC_MAX_ROWS:
         return matvec_metal(x, blocks, name)
