@@ -1,6 +1,6 @@
-"""One reply as text, token by token: a streaming detokenizer, stop tokens and stop strings (``TextStream``), and for
-chat replies the split into reasoning / content / tool calls (``ReplyStream``, over ``kimi_mlx.chat.parser``). Used by
-``stream_generate`` and the server.
+"""One reply as text, token by token: a streaming detokenizer, stop tokens and stop strings (``TextStream``). Used by
+``stream_generate``, the server and ``chat.reply_stream.ReplyStream`` (the same text split into reasoning / content /
+tool calls).
 
 Text that could still turn into a stop string is held back; when a stop string appears the text ends just before it
 (``stop_string`` says which) and the caller stops generating. A stop token (eos, the chat format's turn end) ends
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Optional
-
-from .chat.parser import ReplyEvent, ReplyParser
 
 
 def held_back(text: str, stop_strings: Sequence[str]) -> int:
@@ -82,24 +80,3 @@ class TextStream:
         out = self._decoded[start:end] if end > start else ""
         self.text += out
         return out
-
-
-class ReplyStream:
-    """A chat reply: ``TextStream`` feeding a ``ReplyParser`` (``chat_format``, ``thinking`` as rendered);
-    ``add``/``finish`` return the parser's events (reasoning / content deltas, tool calls, warnings)."""
-
-    def __init__(self, tokenizer, chat_format: str, thinking: Optional[bool], stop_strings: Sequence[str] = (),
-                 stop_ids: frozenset = frozenset()):
-        self.text = TextStream(tokenizer, stop_strings, stop_ids)
-        self.parser = ReplyParser(chat_format, thinking=thinking)
-
-    @property
-    def stop_string(self) -> Optional[str]:
-        return self.text.stop_string
-
-    def add(self, token: int) -> list[ReplyEvent]:
-        delta = self.text.add(token)
-        return self.parser.feed(delta) if delta else []
-
-    def finish(self) -> list[ReplyEvent]:
-        return self.parser.feed(self.text.finish()) + self.parser.finish()

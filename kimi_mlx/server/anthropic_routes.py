@@ -25,7 +25,7 @@ from typing import Optional
 from fastapi import APIRouter, Request
 
 from ..chat.parser import ReplyEvent
-from ..text_stream import ReplyStream
+from ..chat.reply_stream import ReplyStream
 from .backend import (Backend, Prompt, choose_tools, reasoning_budget, reply_budget, render_prompt, resolve_thinking,
                       sampling_params, sse_data, sse_response, stop_ids, submit, watch_disconnect, with_keepalive)
 from .errors import GENERATION_FAILED, ApiError

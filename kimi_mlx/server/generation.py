@@ -1,5 +1,5 @@
 """One submitted request's reply for the HTTP routes: ``Generation`` turns the scheduler's token events into text
-pieces through the request's ``TextStream`` (completions) or ``ReplyStream`` (chat; ``kimi_mlx.text_stream``), cancels
+pieces through the request's ``TextStream`` (completions) or ``ReplyStream`` (chat; ``chat/reply_stream.py``), cancels
 the generation when a stop string ends the reply or the client goes, and logs one line per request.
 """
 
@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..text_stream import ReplyStream, TextStream
+from ..chat.reply_stream import ReplyStream
+from ..text_stream import TextStream
 from .scheduler import FinishEvent, RequestStream, TokenEvent
 
 log = logging.getLogger("kimi_mlx.server")

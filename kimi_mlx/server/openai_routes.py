@@ -21,7 +21,8 @@ from typing import Optional
 
 from fastapi import APIRouter, Request
 
-from ..text_stream import ReplyStream, TextStream
+from ..chat.reply_stream import ReplyStream
+from ..text_stream import TextStream
 from .backend import (Backend, Prompt, check_tokens, choose_tools, reply_budget, render_prompt, resolve_thinking,
                       sampling_params, sse_data, sse_response, stop_ids, submit, watch_disconnect,
                       with_keepalive)
