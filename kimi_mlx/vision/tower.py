@@ -20,7 +20,6 @@ checked against a reference.
 
 from __future__ import annotations
 
-import math
 
 import mlx.core as mx
 import mlx.nn as nn
