@@ -779,6 +779,23 @@ BUGS: tuple[PlantedBug, ...] = (
           "        model_dir = Path(model_dir)\n        if not model_dir.is_dir():\n"),),
         ("tests/test_layering.py::test_no_upward_imports_and_no_circles",),
     ),
+    # -- K3 vision: the tower
+    PlantedBug(
+        "vision: the position embedding is not interpolated (each patch takes the nearest table entry below it)",
+        (("kimi_mlx/vision/tower.py", "    lam = (src - i0).astype(np.float32)\n", "    lam = np.zeros_like(src)\n"),),
+        ("tests/test_vision_tower.py::test_stages_match_mlx_vlm",),
+    ),
+    PlantedBug(
+        "vision: the 2-D rotary pairs x and y swapped",
+        (("kimi_mlx/vision/tower.py", "ang = np.stack([ax, ay], axis=-1)", "ang = np.stack([ay, ax], axis=-1)"),),
+        ("tests/test_vision_tower.py::test_stages_match_mlx_vlm",),
+    ),
+    PlantedBug(
+        "vision: the 2x2 merge takes its four patches in transposed order",
+        (("kimi_mlx/vision/tower.py", ".transpose(0, 1, 3, 2, 4, 5)  # [t, h/kh, w/kw, kh, kw, D]",
+          ".transpose(0, 1, 3, 4, 2, 5)  # [t, h/kh, w/kw, kh, kw, D]"),),
+        ("tests/test_vision_tower.py::test_stages_match_mlx_vlm",),
+    ),
 )
 
 
