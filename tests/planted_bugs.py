@@ -796,6 +796,11 @@ BUGS: tuple[PlantedBug, ...] = (
           ".transpose(0, 1, 3, 4, 2, 5)  # [t, h/kh, w/kw, kh, kw, D]"),),
         ("tests/test_vision_tower.py::test_stages_match_mlx_vlm",),
     ),
+    PlantedBug(
+        "vision: the images' features fill the placeholders in reverse order",
+        (("kimi_mlx/vision/merge.py", "mx.concatenate(list(features), axis=0)", "mx.concatenate(list(features)[::-1], axis=0)"),),
+        ("tests/test_vision_chat_logits.py::test_two_images_in_one_message_match_mlx_vlm",),
+    ),
 )
 
 
