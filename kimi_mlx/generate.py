@@ -21,6 +21,7 @@ from mlx_lm.generate import GenerationResponse, generate_step, generation_stream
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import check_kv_quant
+from .image_prompt import ImagePrefill, ImageRows
 from .ops.memory import wired_during
 from .sampling import SamplingParams, make_sampling
 from .text_stream import TextStream
@@ -55,6 +56,21 @@ def _prompt_ids(tokenizer: TokenizerWrapper, prompt: Union[str, Sequence[int], m
     return prompt
 
 
+def with_images(model: nn.Module, prompt: mx.array, images: Sequence) -> nn.Module:
+    """``model`` ready for ``prompt`` (ids ``[T]``) and its ``images`` (paths, bytes, PIL images, arrays or
+    ``PromptImage``s, in prompt order): an ``ImagePrefill`` that places their features on the prompt's
+    placeholders, or ``model`` itself for a prompt without images. ValueError when the model has no vision tower,
+    or the placeholders and the images' token counts differ."""
+    encoder = getattr(model, "image_encoder", None)
+    if encoder is None:
+        if images:
+            raise ValueError(getattr(model, "no_images_reason", "this model has no vision tower: it takes no images"))
+        return model
+    prepared = [encoder.prepare(im) for im in images]
+    rows = ImageRows(prompt.tolist(), prepared, encoder.placeholder_id)
+    return ImagePrefill(model, rows, 0, encoder.features) if prepared else model
+
+
 def _seeded_sampling(sampling: Optional[SamplingParams], options: dict[str, Any]) -> tuple[Callable, list[Callable]]:
     """(sampler, logits processors) of ``sampling`` (default greedy) with ``options`` (``SamplingParams`` options by
     name) on top; a ``seed`` seeds MLX's generator here."""
@@ -79,11 +95,15 @@ def stream_generate(
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 0,
+    images: Sequence = (),
     **options: Any,
 ) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per generated token (text may be ``""`` while bytes are incomplete).
 
     prompt: text (encoded as plain text, special-token strings are not interpreted) or token ids.
+    images: K3 with a vision tower: the images whose placeholders ``prompt`` (token ids) holds, in order (paths,
+    bytes, PIL images, uint8 arrays or ``PromptImage``s); each image's features fill its placeholders. With
+    ``prompt_cache`` the placeholders and images are those of the ids still to feed.
     Sampling: ``sampling`` (default greedy) with ``options`` on top, the ``SamplingParams`` options given by name
     (``temp=``, ``top_p=``, ``top_k=``, ``min_p=``, ``repetition_penalty=``, ``presence_penalty=``,
     ``frequency_penalty=``, ``logit_bias=``, ``seed=``, ``sampler=``, ``logits_processors=``; see
@@ -95,13 +115,17 @@ def stream_generate(
     cache once it holds ``quantized_kv_start`` tokens (checked after each prefill chunk and step, as mlx-lm does;
     0: from the first chunk on). Requires ``prompt_cache`` (mlx-lm makes a fresh float cache otherwise).
     """
+    if images and isinstance(prompt, str):
+        raise ValueError("images= with a text prompt: give token ids that hold the images' placeholders "
+                         "(render_chat writes them for image parts of a message)")
     prompt = _prompt_ids(tokenizer, prompt)
     cached = next(iter(prompt_cache)).offset if prompt_cache else 0
     check_prompt(model, prompt, cached=cached)
     check_kv_settings(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
+    stepper = with_images(model, prompt, images)
     sampler, processors = _seeded_sampling(sampling, options)
     steps = generate_step(
-        prompt, model, max_tokens=max_tokens, sampler=sampler, logits_processors=processors,
+        prompt, stepper, max_tokens=max_tokens, sampler=sampler, logits_processors=processors,
         prompt_cache=prompt_cache, prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
         quantized_kv_start=quantized_kv_start,
     )

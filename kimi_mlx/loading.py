@@ -549,7 +549,30 @@ def load(
     read_weights = _read_gguf_weights(dtype, quantize, requantize, gguf_scale_dtype, progress) if gguf else \
         _read_lazy_weights
     model, opened = load_parallel(parallel, group, split, adapter_path, open_model, read_weights)
-    return _with_adapters(model, adapter_path), opened.state["tokenizer"]
+    tokenizer = opened.state["tokenizer"]
+    _attach_image_encoder(model, tokenizer, opened.state.get("path"))
+    return _with_adapters(model, adapter_path), tokenizer
+
+
+def _attach_image_encoder(model: nn.Module, tokenizer, path: Optional[Path]) -> None:
+    """``model.image_encoder``: the checkpoint's vision tower as an ``ImageEncoder`` (K3 with ``vision_tower.*``
+    tensors), else None with ``model.no_images_reason`` saying why images are refused."""
+    from .vision.encoder import ImageEncoder
+    from .vision.model import has_vision, load_vision
+    from .vision.preprocess import VisionPreprocessConfig
+
+    model.image_encoder = None
+    if not model.args.is_k3:
+        model.no_images_reason = "Kimi Linear is a text-only model: it takes no images"
+        return
+    if path is None or not has_vision(path):
+        model.no_images_reason = (f"{path if path is not None else 'this checkpoint'} has no vision tower "
+                                  "(no vision_tower.* tensors): images are unavailable")
+        return
+    vision = load_vision(path, dtype=_float_dtype(model))
+    preprocess = VisionPreprocessConfig.from_file(path / "preprocessor_config.json")
+    placeholder = tokenizer.convert_tokens_to_ids("<|media_pad|>")
+    model.image_encoder = ImageEncoder(vision, preprocess, placeholder, _float_dtype(model), str(path))
 
 
 def _read_gguf_weights(dtype, quantize, requantize: bool, scale_dtype, progress: bool):

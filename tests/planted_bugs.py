@@ -798,7 +798,7 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "vision: the images' features fill the placeholders in reverse order",
-        (("kimi_mlx/vision/merge.py", "mx.concatenate(list(features), axis=0)", "mx.concatenate(list(features)[::-1], axis=0)"),),
+        (("kimi_mlx/image_prompt.py", "for i in np.unique(owners).tolist():", "for i in np.unique(owners).tolist()[::-1]:"),),
         ("tests/test_vision_chat_logits.py::test_two_images_in_one_message_match_mlx_vlm",),
     ),
 )

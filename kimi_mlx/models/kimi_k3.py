@@ -80,6 +80,9 @@ class K3Model(nn.Module):
     def __call__(self, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None) -> mx.array:
         return self.language_model(inputs, cache, input_embeddings)
 
+    def embed(self, inputs: mx.array) -> mx.array:
+        return self.language_model.embed(inputs)
+
     @property
     def layers(self):
         return self.language_model.layers

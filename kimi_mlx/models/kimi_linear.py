@@ -89,9 +89,13 @@ class KimiLinearModel(nn.Module):
             stream = layer(stream, kda_mask if layer.is_linear else attn_mask, layer_cache)
         return self.norm(self.leave(stream, cache))
 
+    def embed(self, inputs: mx.array) -> mx.array:
+        """Token ids [B, T] -> embeddings [B, T, hidden]: what ``input_embeddings`` replaces."""
+        return self.embed_tokens(inputs)
+
     def enter(self, inputs: mx.array, input_embeddings: Optional[mx.array]) -> Stream:
         """The residual stream before the first layer: ``inputs`` embedded, or ``input_embeddings``."""
-        return self.new_stream(self.embed_tokens(inputs) if input_embeddings is None else input_embeddings)
+        return self.new_stream(self.embed(inputs) if input_embeddings is None else input_embeddings)
 
     def leave(self, stream: Stream, cache) -> mx.array:
         """The hidden state [B, T, hidden] after the last layer (``cache``: the layers' caches)."""
@@ -133,6 +137,11 @@ class Model(nn.Module):
         if "lm_head" in self:
             return self.lm_head(h)
         return self.model.embed_tokens.as_linear(h)
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """Token ids [B, T] -> the text model's input embeddings [B, T, hidden] (to edit and pass back as
+        ``input_embeddings``)."""
+        return self.model.embed(inputs)
 
     @property
     def layers(self):

@@ -144,6 +144,13 @@ class PipelineStage:
         message = comm.recv(shape, dtype, self.stages.rank - 1, self.stages.group)
         return stream_type.from_message(message, self.inbound)
 
+    def embed(self, inputs: mx.array) -> mx.array:
+        """Rank 0: the embeddings [B, T, hidden]; rank r > 0 (no embedding, and ``enter`` reads only the shape and
+        dtype of ``input_embeddings``): zeros of that shape."""
+        if self.stages.rank == 0:
+            return super().embed(inputs)
+        return mx.zeros((*inputs.shape, self.inbound.hidden), self.inbound.dtype)
+
     def leave(self, stream, cache) -> mx.array:
         """The final hidden state [B, T, hidden], identical on every rank: the last rank's, summed with zeros from the
         others (which send their stream to the next rank first)."""

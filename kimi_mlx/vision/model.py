@@ -77,6 +77,12 @@ def load_vision_weights(model: VisionModel, weights: dict[str, mx.array], dtype=
     mx.eval(model.parameters())
 
 
+def has_vision(path: str | Path) -> bool:
+    """Whether the HF / MLX directory ``path`` describes a vision tower (``vision_config`` in its config.json). A
+    checkpoint without one loads text-only, whatever vision tensors it holds."""
+    return "vision_config" in json.loads((Path(path) / "config.json").read_text())
+
+
 def load_vision(path: str | Path, dtype=None) -> VisionModel:
     """Vision tower + projector of the HF Kimi-K3 directory ``path`` (config.json's ``vision_config`` and the
     ``vision_tower.*`` / ``mm_projector.*`` tensors), strict; weights cast to ``dtype`` (default float32)."""
