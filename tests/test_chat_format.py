@@ -401,8 +401,10 @@ def test_render_errors_are_clear(k3tok, kltok):
         render_chat(k3tok, [*user, {"role": "tool", "content": "x"}])
     with pytest.raises(ValueError, match="function name"):
         render_chat(k3tok, [{"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}])
-    with pytest.raises(ValueError, match="text-only"):
+    with pytest.raises(ValueError, match="message 0, content part 0: 'image_url' parts are a client format"):
         render_chat(k3tok, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(ValueError, match="message 1, content part 1: the Kimi Linear chat format is text-only"):
+        render_chat(kltok, [*user, {"role": "user", "content": [{"text": "a"}, {"type": "image", "image": b"x"}]}])
     with pytest.raises(ValueError, match=r"<\|open\|>"):  # K3 format forced on the Kimi Linear vocabulary
         render_chat(kltok, user, chat_format="kimi_k3")
     with pytest.raises(TypeError, match="list of message dicts"):

@@ -17,7 +17,8 @@ Public API (the format is detected from the tokenizer, overridable):
 * ``tokenizer.apply_chat_template`` routes here for both formats.
 
 Messages are OpenAI-style dicts: ``role`` (system/user/assistant/tool),
-``content`` (str, None or a list of ``{"type": "text", "text": ...}`` parts),
+``content`` (str, None or a list of ``{"type": "text", "text": ...}`` parts and,
+Kimi-K3 only, ``{"type": "image", "image": X}`` parts: :mod:`kimi_mlx.chat.images`),
 optional ``name``; assistant messages may carry ``reasoning_content`` (K3; kept
 in history, as K3 requires) and ``tool_calls`` (``[{"id", "function": {"name",
 "arguments"}}]``, arguments a dict or a JSON string); tool results carry
@@ -82,6 +83,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .format_k3 import DEFAULT_THINKING_EFFORT, END_OF_MSG, XTML_MARKERS, render_k3_segments
+from .images import media_segments, prepare_images, prompt_image
 
 __all__ = [
     "CHAT_FORMATS",
@@ -164,33 +166,39 @@ def _tojson(obj: Any, what: str, sort_keys: bool = False) -> str:
         raise ValueError(f"{what} must be JSON-serialisable with string keys: {e}") from None
 
 
-def _content_parts(content: Any, role: str) -> list[str]:
-    """A message's ``content`` as text pieces: a string is one piece, None none, a list one per text part
-    (``{"type": "text", "text": ...}``; ``type`` may be left out). Image parts and other shapes are refused."""
+def _content_segments(content: Any, role: str, where: str, images: bool = True) -> list[Segment]:
+    """A message's ``content`` as segments: a string is one text piece, None none, a list one text piece per text
+    part (``{"type": "text", "text": ...}``; ``type`` may be left out) and, with ``images`` (Kimi-K3), K3's media
+    sequence per image part (:mod:`kimi_mlx.chat.images`). ``where`` ("message i") names the message in errors;
+    image parts without ``images`` (Kimi Linear) and other shapes are refused, naming the part."""
     if content is None:
         return []
     if isinstance(content, str):
-        return [content]
+        return [(False, content)]
     if not isinstance(content, (list, tuple)):
-        raise TypeError(f"{role} message content must be str, list or None, got {type(content).__name__}")
-    out = []
-    for i, part in enumerate(content):
+        raise TypeError(f"{where}: {role} message content must be str, list or None, got {type(content).__name__}")
+    out: list[Segment] = []
+    for j, part in enumerate(content):
+        at = f"{where}, content part {j}"
         if not isinstance(part, Mapping):
-            raise TypeError(
-                f"{role} message content part {i} must be a dict like {{'type': 'text', 'text': ...}}, "
-                f"got {type(part).__name__}"
-            )
-        if part.get("type") in ("image", "image_url") or "image" in part or "image_url" in part:
-            raise ValueError("kimi-mlx is text-only: image content parts are not supported")
+            raise TypeError(f"{at} must be a dict like {{'type': 'text', 'text': ...}}, got {type(part).__name__}")
+        if images:
+            image = prompt_image(part, at)
+            if image is not None:
+                out += media_segments(image)
+                continue
+        elif part.get("type", "text") != "text" or "image" in part or "image_url" in part:
+            raise ValueError(f"{at}: the Kimi Linear chat format is text-only; only text parts are supported, "
+                             f"got type {part.get('type', 'image')!r}")
         if "text" not in part:
-            raise ValueError(f"{role} message content part {i} without 'text': {part!r}")
-        out.append(str(part["text"]))
+            raise ValueError(f"{at} without 'text': {part!r}")
+        out.append((False, str(part["text"])))
     return out
 
 
-def _content_text(content: Any, role: str) -> str:
-    """A message's ``content`` as one string (its :func:`_content_parts` joined)."""
-    return "".join(_content_parts(content, role))
+def _content_text(content: Any, role: str, where: str) -> str:
+    """A Kimi Linear message's ``content`` as one string (its text parts joined; image parts refused)."""
+    return "".join(text for _, text in _content_segments(content, role, where, images=False))
 
 
 def _tool_call_fields(call: Mapping[str, Any]) -> tuple[str, Any]:
@@ -253,7 +261,7 @@ def _kimi_linear_segments(
         sp(IM_MIDDLE)
 
         if role == "assistant" and msg.get("tool_calls"):
-            tx(_content_text(msg.get("content"), role))
+            tx(_content_text(msg.get("content"), role, f"message {idx}"))
             sp(TOOL_CALLS_BEGIN)
             for call in msg["tool_calls"]:
                 name, args = _tool_call_fields(call)
@@ -274,9 +282,9 @@ def _kimi_linear_segments(
                 if not isinstance(name, str):
                     raise ValueError(f"message {idx}: a tool result's 'name' must be a string, got {name!r}")
                 call_id = f"functions.{name}:{counter}"
-            tx(f"## Return of {call_id}\n" + _content_text(msg.get("content"), role))
+            tx(f"## Return of {call_id}\n" + _content_text(msg.get("content"), role, f"message {idx}"))
         else:
-            tx(_content_text(msg.get("content"), role))
+            tx(_content_text(msg.get("content"), role, f"message {idx}"))
 
         if not (continue_final_message and idx == len(messages) - 1):
             sp(IM_END)
@@ -445,7 +453,7 @@ def segments_and_starts(
             raise ValueError("continue_final_message needs at least one message")
         segs, starts = render_k3_segments(
             messages,
-            content_parts=_content_parts,
+            content_segments=_content_segments,
             tools=tools,
             thinking=True if thinking is None else bool(thinking),
             thinking_effort=DEFAULT_THINKING_EFFORT if thinking_effort is None else thinking_effort,
@@ -480,6 +488,7 @@ def render_chat(
     default_system: Any = "auto",
     tool_choice: str | None = None,
     response_format: Any = None,
+    image_encoder: Any = None,
 ) -> list[int]:
     """Render ``messages`` to token ids in the model's chat format.
 
@@ -495,7 +504,13 @@ def render_chat(
     "json_schema": {"schema": {...}}}``): Kimi-K3 per-request system messages
     placed just before the generation prompt (so not part of the
     prefix-extension property: a chat that uses them re-prefills from there).
+    Image parts (Kimi-K3; see :mod:`kimi_mlx.chat.images`) render as K3's
+    media sequence: a ``PromptImage`` as it is, a raw image (path, bytes, PIL
+    image, uint8 array) through ``image_encoder`` (``model.image_encoder``);
+    the images to generate with are ``prepare_images(messages, encoder)[1]``.
     """
+    if image_encoder is not None:
+        messages, _ = prepare_images(messages, image_encoder)
     fmt, system, suffix = _format_and_system(tokenizer, chat_format, default_system)
     segs = render_chat_segments(
         messages,
@@ -525,7 +540,8 @@ def render_chat_with_starts(
     """``(ids, starts)``: ``ids`` as :func:`render_chat` (``options`` as there, without ``start``) and
     ``starts[i]`` the token position where message ``i`` begins in ``ids`` (``starts[len(messages)]``: the end of
     the last message, before the generation prompt), ``None`` where :func:`segments_and_starts` has none. A
-    server snapshots its cache at these positions; one encoding pass, as cheap as :func:`render_chat`."""
+    server snapshots its cache at these positions; one encoding pass, as cheap as :func:`render_chat`. Image
+    parts must hold ``PromptImage``s (:func:`kimi_mlx.chat.images.prepare_images`)."""
     fmt, system, suffix = _format_and_system(tokenizer, chat_format, default_system)
     segs, seg_starts = segments_and_starts(
         messages, chat_format=fmt, default_system=system, default_system_suffix=suffix, **options

@@ -210,13 +210,8 @@ def _tool_calls_block(tool_calls: Sequence[Any], where: str) -> list[Segment]:
     return segs + close_tag("tools")
 
 
-def _text(parts: Sequence[str]) -> list[Segment]:
-    """Text segments, one per piece (the encoder encodes each content part on its own)."""
-    return [(False, p) for p in parts]
-
-
 def _assistant_body(
-    msg: Mapping[str, Any], thinking: bool, content: Sequence[str], where: str, open_end: bool
+    msg: Mapping[str, Any], thinking: bool, content: Sequence[Segment], where: str, open_end: bool
 ) -> list[Segment]:
     segs: list[Segment] = []
     if thinking:
@@ -226,7 +221,7 @@ def _assistant_body(
             segs.append((False, str(reasoning)))
         segs += close_tag("think")
     segs += open_tag("response")
-    segs += _text(content)
+    segs += content
     if open_end:
         if msg.get("tool_calls"):
             raise ValueError(f"{where}: continue_final_message cannot leave an assistant message with tool calls open")
@@ -237,10 +232,10 @@ def _assistant_body(
     return segs
 
 
-def _tool_message(name: Any, index: int, content: Sequence[str]) -> list[Segment]:
+def _tool_message(name: Any, index: int, content: Sequence[Segment]) -> list[Segment]:
     return [
         *open_tag("message", [("role", "tool"), ("tool", name), ("index", index)]),
-        *_text(content),
+        *content,
         *close_tag("message"),
         (True, END_OF_MSG),
     ]
@@ -249,7 +244,7 @@ def _tool_message(name: Any, index: int, content: Sequence[str]) -> list[Segment
 def render_k3_segments(
     messages: Sequence[Mapping[str, Any]],
     *,
-    content_parts,
+    content_segments,
     tools: Sequence[Mapping[str, Any]] | None = None,
     thinking: bool = True,
     thinking_effort: str | None = DEFAULT_THINKING_EFFORT,
@@ -263,9 +258,10 @@ def render_k3_segments(
     ``starts[i]`` is the index in ``segments`` where message ``i`` begins
     (``starts[len(messages)]``: where the generation prompt begins); it is
     ``None`` for a tool result that is emitted inside a reordered run (a render
-    cannot start there). ``content_parts(content, role)`` gives a message's
-    content as its text pieces (a string: one piece; a list: one per text
-    part). ``thinking_effort=None`` omits the thinking-effort message.
+    cannot start there). ``content_segments(content, role, where)`` gives a
+    message's content as segments (a string: one text piece; a list: one text
+    piece per text part, K3's media sequence per image part; ``where`` is
+    "message i" for errors). ``thinking_effort=None`` omits the thinking-effort message.
     ``tool_choice`` (``"auto"``/``"required"``/``"none"``)
     and ``response_format`` (``"json_object"``, ``{"type": "json_schema",
     "json_schema": {"schema": ...}}``, ...) add per-request system messages
@@ -302,13 +298,13 @@ def render_k3_segments(
                 continue
             attrs = [("role", role)] + ([("name", msg["name"])] if msg.get("name") else [])
             segs += open_tag("message", attrs)
-            content = content_parts(msg.get("content"), role)
+            content = content_segments(msg.get("content"), role, where)
             if role == "assistant":
                 calls = msg.get("tool_calls")
                 tool_calls, tool_index = (calls if calls else None), 0
                 segs += _assistant_body(msg, thinking, content, where, open_end)
             else:
-                segs += _text(content)
+                segs += content
             if not open_end:
                 segs += [*close_tag("message"), (True, END_OF_MSG)]
             i += 1
@@ -321,12 +317,13 @@ def render_k3_segments(
             run = list(range(i, j))
             order = _tool_run_order(messages, run, tool_calls)
             emit = order if order is not None else [(k, None) for k in run]
+            _check_image_order(messages, run, [k for k, _ in emit])
             for k, resolved in emit:
                 if order is None:
                     starts[k] = len(segs)
                 tool_index += 1
                 name = _tool_name(messages[k], resolved, tool_calls, tool_index)
-                content = content_parts(messages[k].get("content"), "tool")
+                content = content_segments(messages[k].get("content"), "tool", f"message {k}")
                 segs += _tool_message(name, tool_index, content)
             i = j
         else:
@@ -364,6 +361,20 @@ def _request_messages(tool_choice: Any, response_format: Any) -> list[Segment]:
             raise ValueError("response_format json_schema needs {'json_schema': {'schema': {...}}}")
         body += RESPONSE_FORMAT_SCHEMA_TEXT.format(schema=sorted_compact_json(schema, "response_format schema"))
     return segs + _internal_system_message("response-format", body)
+
+
+def _check_image_order(messages: Sequence[Mapping[str, Any]], run: list[int], emitted: list[int]) -> None:
+    """A run of tool results emitted in call order, not as given, must hold no images: the images of a prompt are
+    taken in message order (``prepare_images``), so reordering them would give each image another's placeholders."""
+    if emitted == run:
+        return
+    for k in run:
+        content = messages[k].get("content")
+        if isinstance(content, (list, tuple)) and any(
+                isinstance(p, Mapping) and (p.get("type") == "image" or "image" in p) for p in content):
+            raise ValueError(f"message {k}: a tool result with an image must come in the order of the calls "
+                             "(results given out of order are reordered by tool_call_id, and their images would "
+                             "no longer match the prompt's image order)")
 
 
 def _tool_run_order(

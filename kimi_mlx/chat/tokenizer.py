@@ -32,6 +32,7 @@ from .format import (
     segments_to_text,
     turn_end_token,
 )
+from .images import prepare_images
 
 __all__ = ["KimiChatTokenizer", "load_gguf_tokenizer", "load_kimi_tokenizer", "wrap_kimi_tokenizer"]
 
@@ -80,7 +81,9 @@ class KimiChatTokenizer(KimiTikTokenizer):
         ``thinking`` (or mlx-lm's ``enable_thinking``) and ``thinking_effort``
         (or ``reasoning_effort``), ``tool_choice``, ``response_format``. Kimi
         Linear ignores these (it has no thinking section nor such messages), so mlx-lm callers that always pass
-        ``enable_thinking`` work with both. Other template kwargs are ignored.
+        ``enable_thinking`` work with both. ``image_encoder`` (``model.image_encoder``) prepares raw images of
+        image parts (``PromptImage`` parts need none; :mod:`kimi_mlx.chat.images`). Other template kwargs are
+        ignored.
         ``tokenize=False`` returns a :class:`RenderedChat`.
         """
         if return_tensors is not None:
@@ -98,6 +101,8 @@ class KimiChatTokenizer(KimiTikTokenizer):
                 )
                 for c in conversation
             ]
+        if kwargs.get("image_encoder") is not None:
+            conversation, _ = prepare_images(conversation, kwargs["image_encoder"])
         fmt = kwargs.get("chat_format") or self.chat_format
         thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
         effort = kwargs.get("thinking_effort", kwargs.get("reasoning_effort"))
