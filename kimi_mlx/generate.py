@@ -13,6 +13,7 @@ GPU's working set, ``ops.memory.wired``), as mlx-lm does.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -21,7 +22,9 @@ from mlx_lm.generate import GenerationResponse, generate_step, generation_stream
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import check_kv_quant
-from .image_prompt import ImagePrefill, ImageRows
+from .chat.format import render_chat
+from .chat.images import prepare_images
+from .image_prompt import ImagePrefill, ImageRows, PromptImage
 from .ops.memory import wired_during
 from .sampling import SamplingParams, make_sampling
 from .text_stream import TextStream
@@ -44,6 +47,20 @@ def check_kv_settings(cache, kv_bits: Optional[int], kv_group_size: int, quantiz
     if kv_bits is not None and have is not None and have != (kv_bits, kv_group_size):
         raise ValueError(f"the prompt cache is quantized with {have[0]} bits, group {have[1]}; asked for {kv_bits} "
                          f"bits, group {kv_group_size}")
+
+
+def is_messages(prompt: Any) -> bool:
+    """Whether ``prompt`` is a conversation (a non-empty list of message dicts) rather than text or token ids."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, Mapping) for m in prompt)
+
+
+def chat_prompt(model: nn.Module, tokenizer: TokenizerWrapper, messages: Sequence[Mapping[str, Any]]
+                ) -> tuple[list[int], list[PromptImage]]:
+    """(ids, images) of a conversation: its images prepared by the model's ``image_encoder``
+    (``chat.images.prepare_images``), rendered with ``render_chat`` (the format's defaults, generation prompt
+    added); the images in prompt order, for ``images=``."""
+    messages, images = prepare_images(messages, getattr(model, "image_encoder", None))
+    return render_chat(tokenizer, messages, add_generation_prompt=True), images
 
 
 def _prompt_ids(tokenizer: TokenizerWrapper, prompt: Union[str, Sequence[int], mx.array]) -> mx.array:
@@ -100,7 +117,10 @@ def stream_generate(
 ) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per generated token (text may be ``""`` while bytes are incomplete).
 
-    prompt: text (encoded as plain text, special-token strings are not interpreted) or token ids.
+    prompt: text (encoded as plain text, special-token strings are not interpreted), token ids, or a conversation
+    (a list of chat messages, rendered by ``chat_prompt``: the chat format's defaults and the generation prompt;
+    its images come from the messages' ``{"type": "image", "image": X}`` parts; for tools or thinking options
+    render it yourself, or use ``ChatSession``).
     images: K3 with a vision tower: the images whose placeholders ``prompt`` (token ids) holds, in order (paths,
     bytes, PIL images, uint8 arrays or ``PromptImage``s); each image's features fill its placeholders. With
     ``prompt_cache`` the placeholders and images are those of the ids still to feed.
@@ -118,6 +138,11 @@ def stream_generate(
     if images and isinstance(prompt, str):
         raise ValueError("images= with a text prompt: give token ids that hold the images' placeholders "
                          "(render_chat writes them for image parts of a message)")
+    if is_messages(prompt):
+        if images:
+            raise ValueError("images= with a list of messages: put the images in the messages as "
+                             "{'type': 'image', 'image': X} parts")
+        prompt, images = chat_prompt(model, tokenizer, prompt)
     prompt = _prompt_ids(tokenizer, prompt)
     cached = next(iter(prompt_cache)).offset if prompt_cache else 0
     check_prompt(model, prompt, cached=cached)

@@ -188,3 +188,23 @@ def test_reordered_tool_results_with_images_are_refused(k3vl):
         render_chat(tok, messages, image_encoder=model.image_encoder)
     in_order = [*messages[:2], messages[3], messages[2]]
     assert model.image_encoder.placeholder_id in render_chat(tok, in_order, image_encoder=model.image_encoder)
+
+
+def test_stream_generate_takes_a_conversation(k3vl, kl_dir):
+    """A list of messages is rendered with its images (the format's defaults, generation prompt): mlx-vlm's prompt,
+    so the first token is mlx-vlm's argmax, and the tokens equal generation from the rendered ids."""
+    from kimi_mlx import generate, stream_generate
+
+    model, tok = k3vl
+    messages = [{"role": "user", "content": [_img(NAMES[1]), _text("Describe this image.")]}]
+    out = list(stream_generate(model, tok, messages, 4))
+    assert out[0].prompt_tokens == MLX_VLM["prompts"][NAMES[1]]["n_tokens"]
+    assert out[0].token == MLX_VLM["prompts"][NAMES[1]]["argmax_last"]
+    ids = np.load(REF / f"{NAMES[1]}.chat.input_ids.npy").reshape(-1).tolist()
+    assert [r.token for r in out] == [r.token for r in stream_generate(model, tok, ids, 4, images=[IMAGES / f"{NAMES[1]}.png"])]
+    assert generate(model, tok, messages, 4) == "".join(r.text for r in out)
+    with pytest.raises(ValueError, match="images= with a list of messages"):
+        list(stream_generate(model, tok, messages, 1, images=[IMAGES / f"{NAMES[1]}.png"]))
+    klmodel, kltok = load(kl_dir / "hf", dtype=mx.float32)
+    with pytest.raises(ValueError, match="message 0, content part 0: an image, and this model has no vision tower"):
+        list(stream_generate(klmodel, kltok, messages, 1))

@@ -18,8 +18,13 @@ W x H the ORIGINAL image size, n = ``PromptImage.num_tokens``; only the four mar
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Optional
+
+import numpy as np
+from PIL import Image
 
 from ..image_prompt import PromptImage
 
@@ -46,10 +51,7 @@ def image_in_part(part: Mapping[str, Any], where: str) -> Optional[Any]:
         return None
     if part.get("image") is None:
         raise ValueError(f"{where}: an image part without its image; expected {IMAGE_PART_HELP}")
-    image = part["image"]
-    if isinstance(image, (list, tuple)) or getattr(image, "ndim", 3) == 4 or getattr(image, "n_frames", 1) > 1:
-        raise ValueError(f"{where}: several frames (video) are not supported; give one still image per part")
-    return image
+    return part["image"]
 
 
 def _where(i: int, j: int) -> str:
@@ -74,7 +76,7 @@ def prepare_images(messages: Sequence[Mapping[str, Any]], encoder) -> tuple[list
             if image is None:
                 parts.append(part)
                 continue
-            prepared = _prepare(image, encoder, _where(i, j))
+            prepared = prepare_image(image, encoder, _where(i, j))
             images.append(prepared)
             parts.append({"type": "image", "image": prepared})
             changed = True
@@ -82,9 +84,14 @@ def prepare_images(messages: Sequence[Mapping[str, Any]], encoder) -> tuple[list
     return out, images
 
 
-def _prepare(image: Any, encoder, where: str) -> PromptImage:
+def prepare_image(image: Any, encoder, where: str) -> PromptImage:
+    """One image (path, bytes, PIL image, uint8 array ``[H, W, 3|4]``) -> ``encoder.prepare(image)``; a
+    ``PromptImage`` is returned as is. ``ValueError`` starting with ``where`` for an unreadable image, several frames
+    (a list, a ``[T, H, W, C]`` array, an animated PIL image) or a model without a tower (``encoder`` None)."""
     if isinstance(image, PromptImage):
         return image
+    if isinstance(image, (list, tuple)) or getattr(image, "ndim", 3) == 4 or getattr(image, "n_frames", 1) > 1:
+        raise ValueError(f"{where}: several frames (video) are not supported; give one still image")
     if encoder is None:
         raise ValueError(f"{where}: an image, and this model has no vision tower (it takes text only)")
     try:
@@ -108,3 +115,23 @@ def prompt_image(part: Any, where: str) -> Optional[PromptImage]:
         return image
     raise ValueError(f"{where}: an image not prepared for the prompt; pass image_encoder= (the model's "
                      "model.image_encoder) or prepare the messages with prepare_images(messages, encoder)")
+
+
+def image_file(image: Any) -> Optional[bytes]:
+    """The bytes of an image file that decodes to exactly ``image``'s pixels, to store it (a saved chat): a path's
+    file, encoded bytes as given, a PIL image or a uint8 array written losslessly (PNG, or TIFF for the modes PNG
+    cannot hold); None for a ``PromptImage`` (its original is not at hand)."""
+    if isinstance(image, PromptImage):
+        return None
+    if isinstance(image, (bytes, bytearray)):
+        return bytes(image)
+    if isinstance(image, (str, Path)):
+        return Path(image).read_bytes()
+    pil = image if isinstance(image, Image.Image) else Image.fromarray(np.ascontiguousarray(image))
+    buf = io.BytesIO()
+    try:
+        pil.save(buf, format="PNG")
+    except (OSError, ValueError, KeyError):
+        buf = io.BytesIO()
+        pil.save(buf, format="TIFF")
+    return buf.getvalue()

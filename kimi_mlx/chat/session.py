@@ -14,6 +14,15 @@ Checkpoints are taken before the last prompt token of every turn (so a regenerat
 every reply. ``send`` / ``regenerate`` / ``tool_results`` are generators of ``ChatEvent`` (reasoning / content text
 deltas, tool calls); stopping one early (Ctrl-C, ``close()``) keeps the partial reply and a consistent cache.
 
+Images (Kimi-K3 with a vision tower): ``send(text, images=[...])`` puts the images before the text in the user
+message (as ``PromptImage`` parts, prepared once by the model's ``ImageEncoder``). A prefill places the features of
+the images it overlaps on their placeholders (``ImagePrefill`` over the whole prompt from the first token fed), so
+the images of earlier turns, already in the cache, are neither passed again nor re-encoded. The cache's history is
+compared as a cache key (``session.keys``: ``session.tokens`` with each placeholder replaced by its image's
+``key_id``), so a prompt whose image differs from the cached one only in pixels is never served from the cache.
+``save`` stores each image's original file (base64) and ``load`` prepares it again: the same pixels, digests and
+tokens.
+
     session = ChatSession(model, tokenizer, system="Be brief.", max_tokens=256, sampling={"temp": 0.7})
     for event in session.send("Hello!"):
         print(event.text, end="")
@@ -35,11 +44,14 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 import mlx.core as mx
 
 from .format import detect_chat_format, render_chat
+from .images import image_file, prepare_image, prepare_images
 from .parser import ReplyEvent, ReplyParser
+from .saved_images import dump_messages, key_runs, keys_from_runs, load_messages
 from .tool_ids import answer_order, tool_call_ids
 from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 
 from ..generate import check_kv_settings, check_prompt, stream_generate
+from ..image_prompt import ImagePrefill, ImageRows, PromptImage
 from ..ops.memory import wired_during
 from ..prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
 from ..sampling import SamplingParams
@@ -166,6 +178,9 @@ class ChatSession:
         self.prefill_step_size = prefill_step_size
         self.messages: list[dict] = []
         self.tokens: list[int] = []
+        self.keys: list[int] = []  # self.tokens as a cache key: image placeholders -> their image's key_id
+        self.image_encoder = getattr(model, "image_encoder", None)
+        self.image_files: dict[str, bytes] = {}  # digest -> original file of each image sent (for save)
         self.cache = model.make_cache(max_checkpoints=max_checkpoints)
         self.last: Optional[Turn] = None
         self.turns = 0
@@ -207,15 +222,36 @@ class ChatSession:
 
     def render(self, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the whole conversation in the model's chat format."""
-        return render_chat(
-            self.tokenizer, self.conversation(), tools=self.tools, thinking=self.thinking,
+        return self._render(add_generation_prompt)[0]
+
+    def _render(self, add_generation_prompt: bool = True) -> tuple[list[int], Optional[ImageRows]]:
+        """(ids, the conversation's images lined up with their placeholders; None without images)."""
+        messages, images = prepare_images(self.conversation(), self.image_encoder)
+        ids = render_chat(
+            self.tokenizer, messages, tools=self.tools, thinking=self.thinking,
             thinking_effort=self.thinking_effort, add_generation_prompt=add_generation_prompt,
             chat_format=self.chat_format,
         )
+        return ids, (ImageRows(ids, images, self.image_encoder.placeholder_id) if images else None)
 
-    def send(self, text: str, max_tokens: Optional[int] = None) -> Iterator[ChatEvent]:
-        """Add a user message and stream the reply."""
-        return self._turn([{"role": "user", "content": text}], max_tokens)
+    def attach(self, image: Any, where: str = "image") -> PromptImage:
+        """Prepare ``image`` (path, bytes, PIL image, uint8 array) for a message with the model's ``ImageEncoder``
+        and keep its file for ``save``. ``ValueError`` starting with ``where``: unreadable, several frames, or a
+        model without a vision tower."""
+        prepared = prepare_image(image, self.image_encoder, where)
+        data = image_file(image)
+        if data is not None:
+            self.image_files[prepared.digest] = data
+        return prepared
+
+    def send(self, text: str, max_tokens: Optional[int] = None, *, images: Sequence[Any] = ()) -> Iterator[ChatEvent]:
+        """Add a user message and stream the reply. ``images`` (K3 with a vision tower): this turn's images (paths,
+        bytes, PIL images, uint8 arrays or ``attach``'s results), placed before ``text``."""
+        content: Any = text
+        if images:
+            parts = [{"type": "image", "image": self.attach(im, f"image {j}")} for j, im in enumerate(images)]
+            content = [*parts, {"type": "text", "text": text}]
+        return self._turn([{"role": "user", "content": content}], max_tokens)
 
     def tool_results(self, results: Sequence[tuple[dict, str]], max_tokens: Optional[int] = None) -> Iterator[ChatEvent]:
         """Add ``(call, result text)`` for the last reply's tool calls (``Turn.tool_calls`` entries; in any order,
@@ -250,18 +286,29 @@ class ChatSession:
 
     def reset(self) -> None:
         """Forget the conversation (settings stay) and empty the cache."""
-        self.messages, self.tokens, self.last = [], [], None
+        self.messages, self.tokens, self.keys, self.last, self.image_files = [], [], [], None, {}
         self.cache.reset()
 
     # ----- the turn
-    def _prefill(self, tokens: Sequence[int]) -> None:
-        for start in range(0, len(tokens), self.prefill_step_size):
-            chunk = list(tokens[start : start + self.prefill_step_size])
-            self.model(mx.array(chunk)[None], cache=self.cache)
+    @staticmethod
+    def _keys(ids: Sequence[int], rows: Optional[ImageRows]) -> list[int]:
+        return rows.key(ids) if rows is not None else list(ids)
+
+    def _prefill(self, ids: Sequence[int], keys: Sequence[int], rows: Optional[ImageRows], end: int) -> None:
+        """Feed ``ids[len(self.tokens):end]`` (``keys`` its cache key), the features of ``rows``'s images on their
+        placeholders, in chunks."""
+        start = len(self.tokens)
+        model = self.model
+        if rows is not None and start < rows.end:
+            model = ImagePrefill(self.model, rows, start, self.image_encoder.features)
+        for a in range(start, end, self.prefill_step_size):
+            b = min(a + self.prefill_step_size, end)
+            model(mx.array(ids[a:b])[None], cache=self.cache)
             maybe_quantize_kv_cache(self.cache, self.kv["quantized_kv_start"], self.kv["kv_group_size"],
                                     self.kv["kv_bits"])
             mx.eval([c.state for c in self.cache])
-            self.tokens.extend(chunk)
+            self.tokens.extend(ids[a:b])
+            self.keys.extend(keys[a:b])
 
     def _roll_back(self, limit: int) -> None:
         """Restore the latest kept checkpoint at or before ``limit`` tokens (or empty the cache when none fits)."""
@@ -269,37 +316,39 @@ class ChatSession:
         if fits:
             cp = max(fits, key=lambda c: c.offset)
             self.cache.restore(cp)
-            del self.tokens[cp.offset :]
+            del self.tokens[cp.offset :], self.keys[cp.offset :]
         else:
             self.cache.reset()
-            self.tokens = []
+            self.tokens, self.keys = [], []
 
     def _rewind(self, target: Sequence[int], keep: int = 1) -> int:
-        """Roll the cache back to the longest state that is a prefix of ``target`` with at least ``keep`` tokens of
-        it left to feed; returns the number of tokens reused."""
-        limit = min(_common_prefix(self.tokens, target), len(target) - keep)
+        """Roll the cache back to the longest state whose key is a prefix of ``target`` (a cache key) with at least
+        ``keep`` tokens of it left to feed; returns the number of tokens reused."""
+        limit = min(_common_prefix(self.keys, target), len(target) - keep)
         if len(self.tokens) > limit:
             self._roll_back(limit)
         return len(self.tokens)
 
-    def _settle(self, target: Optional[Sequence[int]] = None) -> None:
+    def _settle(self, target: Optional[Sequence[int]] = None, rows: Optional[ImageRows] = None) -> None:
         """After a turn (maybe interrupted mid-step): make the cache consistent with ``self.tokens`` again, rolling
         back to a checkpoint (or empty) when a model call was cut short; then, given ``target`` (a continuation of
-        the tokens seen), make the cache hold exactly ``target``."""
+        the tokens seen; ``rows`` its prompt's images), make the cache hold exactly ``target``."""
         offsets = {c.offset for c in self.cache}
         if target is not None and offsets == {len(target)}:
-            self.tokens = list(target)  # the generator fed every yielded token: nothing to redo
+            # the generator fed every yielded token: nothing to redo
+            self.tokens, self.keys = list(target), self._keys(target, rows)
             return
         if offsets != {len(self.tokens)}:
             self._roll_back(len(self.tokens))
         if target is not None:
-            self._rewind(target, keep=0)
-            self._prefill(target[len(self.tokens) :])
+            keys = self._keys(target, rows)
+            self._rewind(keys, keep=0)
+            self._prefill(target, keys, rows, len(target))
 
     def _turn(self, new_messages: list[dict], max_tokens: Optional[int]) -> Iterator[ChatEvent]:
         self.messages.extend(new_messages)
         try:
-            prompt = self.render()
+            prompt, rows = self._render()
             check_prompt(self.model, mx.array(prompt, dtype=mx.int32))
         except (ValueError, TypeError):
             del self.messages[len(self.messages) - len(new_messages) :]
@@ -314,19 +363,20 @@ class ChatSession:
                     f"{self.max_kv_size}; /undo, /reset, or start with a larger --max-kv-size"
                 )
             budget = min(budget, room)
-        return self._generate(prompt, budget, len(new_messages), budget < (max_tokens or self.max_tokens))
+        return self._generate(prompt, rows, budget, len(new_messages), budget < (max_tokens or self.max_tokens))
 
     @wired_during(generation_stream)  # on a Mac the model's memory stays wired through the prefill and the reply
-    def _generate(self, prompt: list[int], budget: int, n_new: int, capped: bool) -> Iterator[ChatEvent]:
+    def _generate(self, prompt: list[int], rows: Optional[ImageRows], budget: int, n_new: int, capped: bool
+                  ) -> Iterator[ChatEvent]:
         stats = TurnStats(prompt_tokens=len(prompt))
         tic = time.perf_counter()
         reply: list[int] = []
         parser = ReplyParser(self.chat_format, thinking=self.thinking)
         last = None
         try:
-            stats.reused_tokens = self._rewind(prompt)
+            stats.reused_tokens = self._rewind(self._keys(prompt, rows))
             stats.prefill_tokens = len(prompt) - stats.reused_tokens
-            self._prefill(prompt[stats.reused_tokens : -1])
+            self._prefill(prompt, self._keys(prompt, rows), rows, len(prompt) - 1)
             self.cache.checkpoint()
             mx.reset_peak_memory()
             for last in stream_generate(
@@ -349,7 +399,7 @@ class ChatSession:
                     del self.messages[len(self.messages) - n_new :]
                     self._settle()
                 else:
-                    self._settle(prompt + reply)
+                    self._settle(prompt + reply, rows)
                     self.cache.checkpoint()
                     self._finish(parser, stats, last, reply)
         if stats.finish_reason == "context":
@@ -375,8 +425,9 @@ class ChatSession:
     def state(self) -> dict[str, Any]:
         """The conversation and settings as plain JSON data (what ``save`` stores beside the cache)."""
         return {
-            "messages": self.messages, "system": self.system, "tools": self.tools, "thinking": self.thinking,
-            "thinking_effort": self.thinking_effort, "chat_format": self.chat_format,
+            "messages": dump_messages(self.messages, self.image_files), "system": self.system, "tools": self.tools,
+            "thinking": self.thinking, "thinking_effort": self.thinking_effort, "chat_format": self.chat_format,
+            "cache_images": key_runs(self.tokens, self.keys),
         }
 
     def save(self, path: Union[str, Path]) -> None:
@@ -399,14 +450,21 @@ class ChatSession:
             raise PromptCacheError(f"{path}: the saved chat session is malformed ({e})") from None
         if fmt != self.chat_format:
             raise PromptCacheError(f"{path}: saved with chat format {fmt!r}, this session uses {self.chat_format!r}")
-        return loaded, {**state, "messages": messages}
+        pid = self.image_encoder.placeholder_id if self.image_encoder is not None else None
+        try:
+            messages, files = load_messages(messages, self.image_encoder, str(path))
+            keys = keys_from_runs(loaded.tokens, state.get("cache_images"), pid, str(path))
+        except ValueError as e:
+            raise PromptCacheError(str(e)) from None
+        return loaded, {**state, "messages": messages, "image_files": files, "keys": keys}
 
     def restore(self, saved: tuple[Any, dict]) -> None:
         """Take the conversation, settings and cache of ``read_saved``'s result."""
         loaded, state = saved
         self.messages, self.system, self.tools = state["messages"], state.get("system"), state.get("tools")
         self.thinking, self.thinking_effort = state.get("thinking"), state.get("thinking_effort")
-        self.cache, self.tokens, self.last = loaded.cache, loaded.tokens, None
+        self.cache, self.tokens, self.keys, self.last = loaded.cache, loaded.tokens, state["keys"], None
+        self.image_files = state["image_files"]
         self.cache.checkpoint()
 
     def stats(self) -> dict[str, Any]:
