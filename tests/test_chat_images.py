@@ -75,8 +75,9 @@ def test_fixture_prompts_equal_mlx_vlm_input_ids(k3vl, prompt):
         (tuple(MLX_VLM["images"][n]["size_wh"]), MLX_VLM["images"][n]["n_image_tokens"]) for n in names]
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 CONVERSATIONS = {
     "image after text": ([{"role": "user", "content": [_text("What is this?"), _img(NAMES[3])]}], [NAMES[3]], {}),
     "text between two images": (
@@ -201,7 +202,8 @@ def test_stream_generate_takes_a_conversation(k3vl, kl_dir):
     assert out[0].prompt_tokens == MLX_VLM["prompts"][NAMES[1]]["n_tokens"]
     assert out[0].token == MLX_VLM["prompts"][NAMES[1]]["argmax_last"]
     ids = np.load(REF / f"{NAMES[1]}.chat.input_ids.npy").reshape(-1).tolist()
-    assert [r.token for r in out] == [r.token for r in stream_generate(model, tok, ids, 4, images=[IMAGES / f"{NAMES[1]}.png"])]
+    from_ids = stream_generate(model, tok, ids, 4, images=[IMAGES / f"{NAMES[1]}.png"])
+    assert [r.token for r in out] == [r.token for r in from_ids]
     assert generate(model, tok, messages, 4) == "".join(r.text for r in out)
     with pytest.raises(ValueError, match="images= with a list of messages"):
         list(stream_generate(model, tok, messages, 1, images=[IMAGES / f"{NAMES[1]}.png"]))

@@ -189,10 +189,10 @@ def test_saved_images_are_checked_on_load(k3vl, tmp_path):
 
 
 def test_text_only_models_refuse_images(kl_dir, k3_dir):
-    for path in (kl_dir / "hf", k3_dir / "hf"):
+    for path, reason in ((kl_dir / "hf", "Kimi Linear is a text-only model"), (k3_dir / "hf", "has no vision tower")):
         model, tok = load(path, dtype=mx.float32)
         s = ChatSession(model, tok, max_tokens=2)
-        with pytest.raises(ValueError, match="image 0: an image, and this model has no vision tower"):
+        with pytest.raises(ValueError, match=f"image 0: .*{reason}"):
             s.send("Hi", images=[IMG0])
         assert s.messages == []
 

@@ -238,6 +238,8 @@ class ChatSession:
         """Prepare ``image`` (path, bytes, PIL image, uint8 array) for a message with the model's ``ImageEncoder``
         and keep its file for ``save``. ``ValueError`` starting with ``where``: unreadable, several frames, or a
         model without a vision tower."""
+        if self.image_encoder is None:
+            raise ValueError(f"{where}: {getattr(self.model, 'no_images_reason', 'this model has no vision tower')}")
         prepared = prepare_image(image, self.image_encoder, where)
         data = image_file(image)
         if data is not None:

@@ -2,7 +2,8 @@
 
 Replies stream as they come; reasoning is dimmed (or hidden with ``--hide-reasoning``); tool calls are shown and their
 results typed in; a stats line follows every reply. Ctrl-C stops the current reply and keeps the session; Ctrl-D or
-``/exit`` quits.
+``/exit`` quits. ``/image PATH`` (Kimi-K3 with a vision tower) attaches an image to the next message, before its text;
+``/save`` stores each image's file in the saved session, so ``/load`` restores the same pixels.
 
 With ``--parallel`` (under ``mlx.launch``) rank 0 reads each line and hands it to the other ranks, so every rank runs
 the same commands and replies in lockstep; only rank 0 prints. There, Ctrl-C ends the whole run (the ranks could not
@@ -29,9 +30,10 @@ HELP = """commands:
   /system [TEXT]      set the system prompt (no TEXT: clear it)
   /think on|off       Kimi-K3 reasoning on or off
   /effort low|high|max  Kimi-K3 thinking effort
+  /image PATH         attach an image to your next message (repeatable; Kimi-K3 with a vision tower)
   /regenerate         replace the last reply (the prompt comes from a cache checkpoint)
   /undo               remove the last exchange
-  /save FILE          save the conversation and its cache to FILE (.safetensors)
+  /save FILE          save the conversation (images included) and its cache to FILE (.safetensors)
   /load FILE          load a conversation saved with /save
   /stats              session statistics
   /help               this help
@@ -76,6 +78,7 @@ class Repl:
         self.session, self.hide_reasoning, self.out = session, hide_reasoning, out
         self.color = out.isatty()
         self.group = group if ranks.is_parallel(group) else None  # --parallel: rank 0 reads, every rank runs
+        self.pending: list = []  # images (PromptImages) attached to the next message
 
     def read(self, prompt: str) -> str:
         """A line typed by the user (``input``); under ``--parallel`` rank 0 reads it and every rank gets it (EOFError
@@ -165,7 +168,16 @@ class Repl:
             self.write(HELP + "\n")
         elif name == "/reset":
             s.reset()
+            self.pending = []
             self.write("[conversation cleared]\n")
+        elif name == "/image":
+            if not arg:
+                raise ValueError("usage: /image PATH")
+            image = s.attach(arg, f"/image {arg}")
+            self.pending.append(image)
+            width, height = image.size
+            self.write(f"[image {arg} ({width}x{height}, {image.num_tokens} tokens) attached to your next message"
+                       f"{'' if len(self.pending) == 1 else f'; {len(self.pending)} images'}]\n")
         elif name == "/system":
             s.system = arg or None
             self.write(f"[system prompt {'set' if arg else 'cleared'}]\n")
@@ -187,14 +199,17 @@ class Repl:
                 raise ValueError("usage: /save FILE")
             with ranks.together(self.group, f"saving {arg}"):
                 s.save(ranks.rank_path(arg, self.group))
-            self.write(f"[saved {len(s.messages)} messages, {len(s.tokens)} tokens to {arg}]\n")
+            self.write(f"[saved {len(s.messages)} messages{_images_note(s.messages)}, {len(s.tokens)} tokens to "
+                       f"{arg}]\n")
         elif name == "/load":
             if not arg:
                 raise ValueError("usage: /load FILE")
             with ranks.together(self.group, f"loading {arg}"):  # every rank reads its part, then all take it
                 saved = s.read_saved(ranks.rank_path(arg, self.group))
             s.restore(saved)
-            self.write(f"[loaded {len(s.messages)} messages, {len(s.tokens)} tokens from {arg}]\n")
+            self.pending = []
+            self.write(f"[loaded {len(s.messages)} messages{_images_note(s.messages)}, {len(s.tokens)} tokens from "
+                       f"{arg}]\n")
         elif name == "/stats":
             st = s.stats()
             self.write(
@@ -229,9 +244,18 @@ class Repl:
                     if not self.command(line):
                         return
                 else:
-                    self.stream(self.session.send(line))
+                    events = self.session.send(line, images=self.pending)
+                    self.pending = []
+                    self.stream(events)
             except (ValueError, OSError, PromptCacheError, RuntimeError) as e:
                 self.write(f"[error: {e}]\n")
+
+
+def _images_note(messages) -> str:
+    """`` with N images`` for the image parts of ``messages`` (nothing without any)."""
+    n = sum(1 for m in messages if isinstance(m.get("content"), list)
+            for p in m["content"] if isinstance(p, dict) and p.get("type") == "image")
+    return f" with {n} image{'s' if n != 1 else ''}" if n else ""
 
 
 def _args_text(arguments) -> str:

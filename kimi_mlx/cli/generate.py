@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
@@ -23,6 +24,10 @@ def add_parser(commands) -> None:
     add_sampling_args(p, max_tokens=100)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat format")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image file for the prompt (repeatable; Kimi-K3 with a vision tower). The images, then "
+                        "the prompt, go in one user message in the chat format, as mlx-vlm's CLI does: --image "
+                        "implies --chat")
     add_chat_args(p)
     add_kv_args(p)
     p.add_argument("--prompt-cache", default=None, metavar="FILE",
@@ -35,13 +40,32 @@ def add_parser(commands) -> None:
 
 
 def _check_chat_flags(args: argparse.Namespace) -> None:
+    if args.image:
+        args.chat = True  # images go in a chat message
     if not args.chat:
         for flag, value in (("--system", args.system), ("--think/--no-think", args.think), ("--effort", args.effort)):
             if value is not None:
                 raise ValueError(f"{flag} needs --chat (it applies to the chat format)")
+    for path in args.image:
+        if not Path(path).is_file():
+            raise ValueError(f"--image {path}: no such file")
 
 
-def _prompt_tokens(args: argparse.Namespace, tokenizer, group: Optional[mx.distributed.Group] = None) -> list[int]:
+def _images(args: argparse.Namespace, model) -> list:
+    """The ``--image`` files prepared by the model's image encoder (``PromptImage``s); a clear error for a model
+    without a vision tower or an unreadable image."""
+    from ..chat.images import prepare_image
+
+    encoder = getattr(model, "image_encoder", None)
+    if args.image and encoder is None:
+        raise ValueError(f"--image: {getattr(model, 'no_images_reason', 'this model has no vision tower')}")
+    return [prepare_image(path, encoder, f"--image {path}") for path in args.image]
+
+
+def _prompt_tokens(args: argparse.Namespace, tokenizer, images: list = (),
+                   group: Optional[mx.distributed.Group] = None) -> list[int]:
+    """The prompt's ids: its text, or (``--chat`` / ``--image``) a user message of ``images`` (``PromptImage``s)
+    and the text, after the ``--system`` message, in the chat format with the generation prompt."""
     prompt = args.prompt
     if prompt == "-":  # under --parallel rank 0 reads stdin and hands the text to the others
         prompt = sys.stdin.read() if ranks.rank(group) == 0 else None
@@ -52,8 +76,10 @@ def _prompt_tokens(args: argparse.Namespace, tokenizer, group: Optional[mx.distr
         return tokenizer.encode(prompt)
     from ..chat.format import render_chat
 
+    content = [*({"type": "image", "image": im} for im in images), {"type": "text", "text": prompt}] if images \
+        else prompt
     messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
-        {"role": "user", "content": prompt}]
+        {"role": "user", "content": content}]
     return render_chat(tokenizer, messages, thinking=args.think, thinking_effort=args.effort,
                        add_generation_prompt=True, chat_format=args.chat_format)
 
@@ -94,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
     def check() -> None:
         if args.parallel and args.prompt_cache:
             raise ValueError("--prompt-cache is not supported with --parallel (each rank holds part of the cache)")
+        if args.image and args.prompt_cache:
+            raise ValueError("--prompt-cache is not supported with --image (the cache file keys prompts by token "
+                             "ids, which do not tell images apart)")
         _check_chat_flags(args)
 
     def body(group) -> int:
@@ -111,7 +140,8 @@ def _run(args: argparse.Namespace, group: Optional[mx.distributed.Group]) -> int
     from ..generate import stream_generate
 
     model, tokenizer = load_from_args(args, progress=not (args.quiet or args.json), group=group)
-    tokens = _prompt_tokens(args, tokenizer, group)
+    images = _images(args, model)
+    tokens = _prompt_tokens(args, tokenizer, images, group)
     cache, feed = _prompt_cache(args, model, tokens) if args.prompt_cache else (model.make_cache(), tokens)
     parser = None
     if args.chat:
@@ -124,7 +154,7 @@ def _run(args: argparse.Namespace, group: Optional[mx.distributed.Group]) -> int
     tic = time.perf_counter()
     text, last, first_s = "", None, None
     for last in stream_generate(model, tokenizer, feed, args.max_tokens, sampling=sampling, stop_strings=args.stop,
-                                prompt_cache=cache, **kv_from_args(args)):
+                                prompt_cache=cache, images=images, **kv_from_args(args)):
         first_s = first_s or time.perf_counter() - tic
         text += last.text
         if parser is not None:
@@ -132,7 +162,7 @@ def _run(args: argparse.Namespace, group: Optional[mx.distributed.Group]) -> int
         if not args.json:
             print(last.text, end="", flush=True)
     stats = {
-        "prompt_tokens": len(tokens), "prefill_tokens": len(feed),
+        "prompt_tokens": len(tokens), "prefill_tokens": len(feed), "image_tokens": sum(im.num_tokens for im in images),
         "prompt_tps": len(feed) / first_s if first_s else 0.0,
         "generation_tokens": last.generation_tokens if last else 0,
         "generation_tps": last.generation_tps if last else 0.0,
