@@ -315,8 +315,8 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "chat: K3 content parts joined into one text segment before encoding",
-        (("kimi_mlx/chat/format.py", "            content_parts=_content_parts,",
-          "            content_parts=lambda c, r: [_content_text(c, r)],"),),
+        (("kimi_mlx/chat/format.py", "            content_segments=_content_segments,",
+          "            content_segments=lambda c, r, w: [(False, _content_text(c, r, w))],"),),
         ("tests/test_chat_templates.py::test_k3_generated_conversations_match_the_encoder",
          "tests/test_chat_templates.py::test_k3_named_conversations_match_the_encoder"),
     ),
@@ -800,6 +800,26 @@ BUGS: tuple[PlantedBug, ...] = (
         "vision: the images' features fill the placeholders in reverse order",
         (("kimi_mlx/image_prompt.py", "for i in np.unique(owners).tolist():", "for i in np.unique(owners).tolist()[::-1]:"),),
         ("tests/test_vision_chat_logits.py::test_two_images_in_one_message_match_mlx_vlm",),
+    ),
+    # -- K3 vision: the chat format, ChatSession
+    PlantedBug(
+        "chat: the media header writes the preprocessed (resized, padded) size instead of the original",
+        (("kimi_mlx/chat/images.py", "    width, height = image.size\n",
+          "    width, height = image.pixels.grid_thw[2] * 14, image.pixels.grid_thw[1] * 14\n"),),
+        ("tests/test_chat_images.py::test_fixture_prompts_equal_mlx_vlm_input_ids",
+         "tests/test_chat_images.py::test_conversations_equal_moonshots_encoder"),
+    ),
+    PlantedBug(
+        "session: a later turn's prefill counts positions from 0 (the earlier turns' images again, the new one's "
+        "features misplaced)",
+        (("kimi_mlx/chat/session.py", "model = ImagePrefill(self.model, rows, start, self.image_encoder.features)",
+          "model = ImagePrefill(self.model, rows, 0, self.image_encoder.features)"),),
+        ("tests/test_chat_session_images.py::test_second_turn_reuses_the_cache_and_places_the_new_image",),
+    ),
+    PlantedBug(
+        "session: the cache history compared by token ids (a same-size image with other pixels reuses the cached one)",
+        (("kimi_mlx/chat/session.py", "return rows.key(ids) if rows is not None else list(ids)", "return list(ids)"),),
+        ("tests/test_chat_session_images.py::test_same_size_other_pixels_is_not_served_from_the_cache",),
     ),
 )
 
