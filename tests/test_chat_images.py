@@ -71,6 +71,7 @@ def test_fixture_prompts_equal_mlx_vlm_input_ids(k3vl, prompt):
     assert ids == np.load(REF / f"{prompt}.chat.input_ids.npy").reshape(-1).tolist()
     prepared, prompt_images = prepare_images(filled, model.image_encoder)
     assert render_chat(tok, prepared) == ids  # PromptImage parts need no encoder
+    assert tok.apply_chat_template(filled, add_generation_prompt=True, image_encoder=model.image_encoder) == ids
     assert [(im.size, im.num_tokens) for im in prompt_images] == [
         (tuple(MLX_VLM["images"][n]["size_wh"]), MLX_VLM["images"][n]["n_image_tokens"]) for n in names]
 

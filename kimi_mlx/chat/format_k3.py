@@ -42,6 +42,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .images import image_in_part
+
 OPEN = "<|open|>"
 CLOSE = "<|close|>"
 SEP = "<|sep|>"
@@ -371,7 +373,8 @@ def _check_image_order(messages: Sequence[Mapping[str, Any]], run: list[int], em
     for k in run:
         content = messages[k].get("content")
         if isinstance(content, (list, tuple)) and any(
-                isinstance(p, Mapping) and (p.get("type") == "image" or "image" in p) for p in content):
+                isinstance(p, Mapping) and image_in_part(p, f"message {k}, content part {j}") is not None
+                for j, p in enumerate(content)):
             raise ValueError(f"message {k}: a tool result with an image must come in the order of the calls "
                              "(results given out of order are reordered by tool_call_id, and their images would "
                              "no longer match the prompt's image order)")
