@@ -153,6 +153,8 @@ def test_bad_image_parts_are_named(k3vl, tmp_path, kl_dir):
     model, tok = k3vl
     enc = model.image_encoder
     (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    frames = [Image.new("RGB", (28, 28), c) for c in ("red", "blue")]
+    frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:])
 
     def user(*parts):
         return [{"role": "system", "content": "s"}, {"role": "user", "content": [_text("x"), *parts]}]
@@ -166,6 +168,8 @@ def test_bad_image_parts_are_named(k3vl, tmp_path, kl_dir):
         ({"type": "video", "video": "v.mp4"}, "message 1, content part 1: video parts are not supported"),
         ({"type": "image", "image": np.zeros((2, 28, 28, 3), np.uint8)}, "several frames"),
         ({"type": "image", "image": [IMAGES / f"{NAMES[0]}.png"] * 2}, "several frames"),
+        ({"type": "image", "image": tmp_path / "anim.gif"}, "content part 1: image file .*anim.gif' has 2 frames"),
+        ({"type": "image", "image": Image.open(tmp_path / "anim.gif")}, "content part 1: PIL image has 2 frames"),
         ({"type": "image", "image": np.zeros((28, 28, 3), np.float32)}, "content part 1: image array has dtype"),
     ]
     for part, message in cases:

@@ -87,10 +87,10 @@ def prepare_images(messages: Sequence[Mapping[str, Any]], encoder) -> tuple[list
 def prepare_image(image: Any, encoder, where: str) -> PromptImage:
     """One image (path, bytes, PIL image, uint8 array ``[H, W, 3|4]``) -> ``encoder.prepare(image)``; a
     ``PromptImage`` is returned as is. ``ValueError`` starting with ``where`` for an unreadable image, several frames
-    (a list, a ``[T, H, W, C]`` array, an animated PIL image) or a model without a tower (``encoder`` None)."""
+    (a list, a ``[T, H, W, C]`` array, an animated image) or a model without a tower (``encoder`` None)."""
     if isinstance(image, PromptImage):
         return image
-    if isinstance(image, (list, tuple)) or getattr(image, "ndim", 3) == 4 or getattr(image, "n_frames", 1) > 1:
+    if isinstance(image, (list, tuple)) or getattr(image, "ndim", 3) == 4:  # an animated file: load_image says so
         raise ValueError(f"{where}: several frames (video) are not supported; give one still image")
     if encoder is None:
         raise ValueError(f"{where}: an image, and this model has no vision tower (it takes text only)")

@@ -172,8 +172,10 @@ class ImageInput:
 
 
 def load_image(x: ImageLike) -> Image.Image:
-    """A path, encoded bytes, a PIL image or a uint8 array [H, W, 3|4] → a fully decoded PIL image (mode kept)."""
+    """A path, encoded bytes, a PIL image or a uint8 array [H, W, 3|4] → a fully decoded PIL image (mode kept).
+    Several frames (an animation, a multi-page file) are refused: K3 here reads still images only."""
     if isinstance(x, Image.Image):
+        _one_frame(x, "PIL image")
         try:
             x.load()  # an opened, not yet decoded file: a truncated one fails here
         except (OSError, SyntaxError, ValueError) as e:
@@ -198,10 +200,20 @@ def load_image(x: ImageLike) -> Image.Image:
 def _decode(src, what: str) -> Image.Image:
     try:
         with Image.open(src) as im:
+            frames = getattr(im, "n_frames", 1)
             im.load()  # decode now: a truncated file fails here, not later in resize
-            return im.copy()  # detached from the file, info (e.g. "transparency") kept
+            image = im.copy()  # detached from the file, info (e.g. "transparency") kept
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise ValueError(f"{what} is not a readable image ({type(e).__name__}: {e})") from e
+    _one_frame(frames, what)
+    return image
+
+
+def _one_frame(image: Image.Image | int, what: str) -> None:
+    """ValueError when ``image`` (or a frame count) has several frames: an animation or a multi-page file."""
+    frames = image if isinstance(image, int) else getattr(image, "n_frames", 1)
+    if frames > 1:
+        raise ValueError(f"{what} has {frames} frames (an animation or a multi-page file); give one still image")
 
 
 def target_size(width: int, height: int, cfg: VisionPreprocessConfig) -> tuple[int, int, int, int]:
