@@ -43,7 +43,9 @@ DIM, RESET, BOLD = "\x1b[2m", "\x1b[0m", "\x1b[1m"
 
 
 def add_parser(commands) -> None:
-    p = commands.add_parser("chat", description="Chat with a Kimi Linear / Kimi-K3 model in the terminal.")
+    p = commands.add_parser("chat", description="Chat with a Kimi Linear / Kimi-K3 model in the terminal. /help lists "
+                            "the commands; /image PATH attaches an image to your next message (Kimi-K3 with a vision "
+                            "tower), and /save keeps it with the conversation.")
     add_model_args(p)
     add_sampling_args(p, max_tokens=512)
     add_chat_args(p)
