@@ -801,6 +801,19 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/image_prompt.py", "for i in np.unique(owners).tolist():", "for i in np.unique(owners).tolist()[::-1]:"),),
         ("tests/test_vision_chat_logits.py::test_two_images_in_one_message_match_mlx_vlm",),
     ),
+    PlantedBug(
+        "mmproj: the converter's q/k permutation not undone",
+        (("kimi_mlx/vision/mmproj.py", "w = unpermute_qk(w, mm.cfg.num_heads, mm.cfg.head_dim)", "w = w"),),
+        ("tests/test_vision_loading.py::test_mmproj_tower_equals_the_hf_tower",),
+    ),
+    PlantedBug(
+        "mmproj: tower eps taken from the file (llama.cpp's 1e-5, not 2^-7)",
+        (("kimi_mlx/vision/mmproj.py", 'text_hidden_size=g.get_int(key + "projection_dim", minimum=1),',
+          'text_hidden_size=g.get_int(key + "projection_dim", minimum=1), '
+          'tower_norm_eps=_positive_float(g, key + "attention.layer_norm_epsilon"),'),),
+        ("tests/test_vision_loading.py::test_mmproj_tower_equals_the_hf_tower",
+         "tests/test_vision_loading.py::test_k3_gguf_with_mmproj_matches_mlx_vlm"),
+    ),
 )
 
 
