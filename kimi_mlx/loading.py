@@ -580,12 +580,12 @@ def _attach_image_encoder(model: nn.Module, tokenizer, source: Optional[Path], m
                              "with a Kimi-K3 model")
         model.no_images_reason = "Kimi Linear is a text-only model: it takes no images"
         return None
-    tower = _tower_source(source, mmproj)
+    tower = tower_source(source, mmproj)
     if isinstance(tower, str):
         model.no_images_reason = tower
         return None
     dtype = _float_dtype(model)
-    vision, cfg, preprocess = _read_tower(tower, dtype, group is None or group.rank() == 0)
+    vision, cfg, preprocess = read_tower(tower, dtype, group is None or group.rank() == 0)
     if cfg.text_hidden_size != model.args.hidden_size:
         raise ValueError(f"{tower}: the vision projector's output width is {cfg.text_hidden_size}, the text model's "
                          f"hidden size {model.args.hidden_size}: this vision tower belongs to another model")
@@ -594,7 +594,7 @@ def _attach_image_encoder(model: nn.Module, tokenizer, source: Optional[Path], m
     return model.image_encoder
 
 
-def _tower_source(source: Optional[Path], mmproj) -> Union[Path, str]:
+def tower_source(source: Optional[Path], mmproj) -> Union[Path, str]:
     """Where the vision tower comes from (an mmproj GGUF, or a checkpoint directory), or why there is none."""
     from .vision.mmproj import find_mmproj
     from .vision.model import PREFIXES, has_vision
@@ -626,7 +626,7 @@ def _tower_source(source: Optional[Path], mmproj) -> Union[Path, str]:
             "--mmproj FILE (load(..., mmproj=FILE)) to add llama.cpp's mmproj")
 
 
-def _read_tower(tower: Path, dtype: mx.Dtype, read: bool):
+def read_tower(tower: Path, dtype: mx.Dtype, read: bool):
     """(VisionModel or None, VisionConfig, VisionPreprocessConfig) of an mmproj GGUF or a checkpoint directory;
     the weights only when ``read``."""
     from .vision.config import VisionConfig

@@ -5,6 +5,7 @@ released defaults) gives mlx-vlm's pixels; every bad mmproj is an error naming t
 
 from __future__ import annotations
 
+import json
 import shutil
 from types import SimpleNamespace
 
@@ -195,3 +196,78 @@ def test_ranks_after_the_first_read_no_vision_weights(gguf_mmproj, tower, monkey
             enc.features(enc.prepare(IMAGES / "img0_rgb_224x168.png"))
     finally:
         model.image_encoder = kept  # the module's shared model gets its tower back
+
+
+# ------------------------------------------------------------------------------------------ MLX directories
+
+
+def _convert(tmp_path, *extra: str):
+    from kimi_mlx.cli.main import main as cli_main
+
+    out = tmp_path / "mlx"
+    assert cli_main(["convert", "--model", str(CKPT), "--out", str(out), "--quiet", *extra]) == 0
+    return out
+
+
+def test_converted_directory_keeps_the_tower(tmp_path):
+    """``kimi-mlx convert`` of the vision checkpoint writes vision_tower.* / mm_projector.* (bf16, as stored) and
+    preprocessor_config.json; the directory gives mlx-vlm's logits with an image."""
+    out = _convert(tmp_path)
+    weights = mx.load(str(out / "model.safetensors"))
+    tower = {k: v for k, v in weights.items() if k.startswith(("vision_tower.", "mm_projector."))}
+    assert len(tower) == 24 and all(v.dtype == mx.bfloat16 for v in tower.values())
+    assert (out / "preprocessor_config.json").read_text() == (CKPT / "preprocessor_config.json").read_text()
+    loaded = load(out, dtype=mx.float32)
+    assert loaded[0].image_encoder.source == str(out)
+    for img in ("img1_rgba_100x300", "img3_large_500x380"):
+        assert _logprob_error(loaded, img) < 1e-4
+
+
+def _dequantized(vision, paths, group_size, bits, dtype=mx.float32):
+    """``vision`` with each Linear of ``paths`` holding dequantize(quantize(weight)) (quantized in ``dtype``: scales
+    and biases in it): what the quantized model computes, in float32."""
+    modules = dict(vision.named_modules())
+    for path in paths:
+        w = modules[path].weight.astype(dtype)
+        q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+        modules[path].weight = mx.dequantize(q, scales.astype(mx.float32), biases.astype(mx.float32),
+                                             group_size=group_size, bits=bits)
+    return vision
+
+
+def _features(vision, img="img0_rgb_224x168"):
+    px, grid = mx.array(np.load(REF / f"{img}.pixel_values.npy")), np.load(REF / f"{img}.grid_thw.npy")
+    return np.array(vision(px, grid))
+
+
+def test_convert_quantize_keeps_the_tower_float_and_quantizes_the_projector(tmp_path):
+    """As mlx-vlm's convert: -q quantizes the projector's Linears and leaves vision_tower.* float; the directory
+    loads and its features are the float tower + the projector's quantized weights."""
+    out = _convert(tmp_path, "--quantize", "8")
+    weights = mx.load(str(out / "model.safetensors"))
+    assert "mm_projector.proj.0.scales" in weights and "mm_projector.proj.2.scales" in weights
+    assert not any(k.startswith("vision_tower.") and k.endswith(".scales") for k in weights)
+    model, _ = load(out, dtype=mx.float32)
+    ref = _dequantized(load_vision(CKPT), ["mm_projector.proj.0", "mm_projector.proj.2"], 64, 8, mx.bfloat16)
+    assert np.abs(_features(model.image_encoder.vision) - _features(ref)).max() < 1e-5
+
+
+def test_mlx_quantized_vision_tensors_load(tmp_path):
+    """An HF checkpoint whose vision Linears are MLX-quantized (.weight uint32 + .scales + .biases, config.json's
+    quantization entry), as mlx-vlm writes them, loads; its features are those of the dequantized weights."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(CKPT, ckpt)
+    for f in ckpt.iterdir():
+        f.chmod(0o644)
+    weights = mx.load(str(ckpt / "model.safetensors"))
+    paths = [f"vision_tower.encoder.blocks.{i}.{n}" for i in range(3) for n in ("wo", "mlp.fc1")]
+    paths += ["mm_projector.proj.0", "mm_projector.proj.2"]
+    for path in paths:
+        q, s, b = mx.quantize(weights[f"{path}.weight"].astype(mx.float32), group_size=32, bits=8)
+        weights.update({f"{path}.weight": q, f"{path}.scales": s, f"{path}.biases": b})
+    mx.save_safetensors(str(ckpt / "model.safetensors"), weights)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 8}}))
+    model, _ = load(ckpt, dtype=mx.float32)
+    ref = _dequantized(load_vision(CKPT), paths, 32, 8)
+    assert np.abs(_features(model.image_encoder.vision) - _features(ref)).max() < 1e-5

@@ -81,8 +81,8 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def _load_source(src: str, dtype, requantize: bool = False, scale_dtype=mx.float32, progress: bool = False):
-    """(model, cfg, source config.json dict or None, tokenizer files, the source's main float dtype or None) for a
-    GGUF (``requantize``, ``scale_dtype``: see ``load_gguf_model``), a model directory, an HF repo id or 'demo'."""
+    """(model, cfg, source config.json dict or None, tokenizer files, the source's main float dtype or None, its
+    path) for a GGUF (``requantize``, ``scale_dtype``: see ``load_gguf_model``), a model directory, an HF repo id or 'demo'."""
     from ..convert.writer import TOKENIZER_FILES, tiktoken_file_text, tokenizer_config
     from ..loading import (
         ModelNotFoundError,
@@ -115,7 +115,7 @@ def _load_source(src: str, dtype, requantize: bool = False, scale_dtype=mx.float
             "generation_config.json": json.dumps(
                 {"bos_token_id": cfg.bos_token_id, "eos_token_id": sorted(wrapper.eos_token_ids)}, indent=2) + "\n",
         }
-        return model, cfg, None, files, stored
+        return model, cfg, None, files, stored, path
     try:
         path = resolve_model_path(src)
     except ModelNotFoundError as e:
@@ -132,7 +132,7 @@ def _load_source(src: str, dtype, requantize: bool = False, scale_dtype=mx.float
     model, cfg = load_model(path, dtype=dtype)
     base = json.loads((path / "config.json").read_text())
     files = {name: path / name for name in TOKENIZER_FILES if (path / name).is_file()}
-    return model, cfg, base, files, stored
+    return model, cfg, base, files, stored, path
 
 
 def shrink_to(model, dtype) -> None:
@@ -162,8 +162,8 @@ def convert(args: argparse.Namespace) -> Path:
     if args.quantize is not None:
         spec = _quantization_spec({"bits": args.quantize, "group_size": args.q_group_size})
     dtype = DTYPES.get(args.dtype)
-    model, cfg, base, files, stored = _load_source(args.model, dtype, args.requantize, DTYPES[args.gguf_scales],
-                                                   progress=not args.quiet)
+    model, cfg, base, files, stored, path = _load_source(args.model, dtype, args.requantize,
+                                                         DTYPES[args.gguf_scales], progress=not args.quiet)
     if dtype is None and stored is not None:
         shrink_to(model, stored)
     if spec is not None:
@@ -173,6 +173,7 @@ def convert(args: argparse.Namespace) -> Path:
     floats = Counter(v.dtype for v in params.values() if mx.issubdtype(v.dtype, mx.floating))
     torch_dtype = DTYPE_NAMES.get(floats.most_common(1)[0][0]) if floats else None
     weights, quantization = to_mlx_lm_layout(params, cfg, quantization_entry(model))
+    keep_tower(weights, files, path, base, dtype or stored or mx.float32, spec)
     config = hf_config(cfg, quantization=quantization, base=base, torch_dtype=torch_dtype)
     write_model_dir(out, weights, config, files, max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
                     progress=not args.quiet)
@@ -180,6 +181,28 @@ def convert(args: argparse.Namespace) -> Path:
     if note:
         print(note, file=sys.stderr)
     return out
+
+
+def keep_tower(weights: dict, files: dict, path: Path, base: dict | None, dtype, spec: dict | None) -> None:
+    """Add a K3 checkpoint directory's vision tower and projector (``vision_config`` in its config.json; nothing
+    without) to the ``weights`` and ``files`` to write: MLX parameters ``vision_tower.*``, ``mm_projector.*`` (the
+    patch conv as MLX's [D, P, P, 3], as mlx-vlm writes it) in ``dtype``, and its ``preprocessor_config.json``.
+    With ``spec`` (``--quantize``) the projector's Linears whose input width the group divides are quantized and
+    the tower stays float, as mlx-vlm's convert does."""
+    import mlx.nn as nn
+
+    from ..loading import checkpoint_quantization
+    from ..vision.model import has_vision, load_vision
+
+    if base is None or not has_vision(path):
+        return
+    vision = load_vision(path, dtype, checkpoint_quantization(base, str(path / "config.json")))
+    if spec is not None:
+        nn.quantize(vision, group_size=spec["group_size"], bits=spec["bits"], mode=spec["mode"],
+                    class_predicate=lambda p, m: p.startswith("mm_projector.") and isinstance(m, nn.Linear)
+                    and m.weight.shape[-1] % spec["group_size"] == 0)
+    weights.update(tree_flatten(vision.parameters()))
+    files["preprocessor_config.json"] = path / "preprocessor_config.json"
 
 
 def run(args: argparse.Namespace) -> int:
