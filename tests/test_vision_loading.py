@@ -101,7 +101,8 @@ def test_mmproj_tower_equals_the_hf_tower(img):
     from_gguf, from_hf = load_mmproj(open_mmproj(MMPROJ)), load_vision(CKPT)
     px = mx.array(np.load(REF / f"{img}.pixel_values.npy"))
     grid = np.load(REF / f"{img}.grid_thw.npy")
-    for name, run in (("encoder_out", lambda v: v.vision_tower.encode(px, grid)), ("image_features", lambda v: v(px, grid))):
+    stages = (("encoder_out", lambda v: v.vision_tower.encode(px, grid)), ("image_features", lambda v: v(px, grid)))
+    for name, run in stages:
         ours, hf = np.array(run(from_gguf)), np.array(run(from_hf))
         assert np.abs(ours - hf).max() < 1e-5, name
         assert np.abs(ours - np.load(REF / f"{img}.{name}.npy")).max() < 1e-5, name
@@ -250,6 +251,11 @@ def test_convert_quantize_keeps_the_tower_float_and_quantizes_the_projector(tmp_
     model, _ = load(out, dtype=mx.float32)
     ref = _dequantized(load_vision(CKPT), ["mm_projector.proj.0", "mm_projector.proj.2"], 64, 8, mx.bfloat16)
     assert np.abs(_features(model.image_encoder.vision) - _features(ref)).max() < 1e-5
+    from kimi_mlx.parallel.accounting import account_config, checkpoint_tensor_names
+
+    acct = account_config(json.loads((out / "config.json").read_text()), dtype="float32",
+                          tensor_names=checkpoint_tensor_names(out))
+    assert acct.part_bytes("vision") == model.image_encoder.nbytes  # the planner counts the projector quantized
 
 
 def test_mlx_quantized_vision_tensors_load(tmp_path):
@@ -271,3 +277,33 @@ def test_mlx_quantized_vision_tensors_load(tmp_path):
     model, _ = load(ckpt, dtype=mx.float32)
     ref = _dequantized(load_vision(CKPT), paths, 32, 8)
     assert np.abs(_features(model.image_encoder.vision) - _features(ref)).max() < 1e-5
+
+
+# ------------------------------------------------------------------------------------------ the planner
+
+
+def test_plan_counts_the_tower_on_rank_0(gguf_mmproj):
+    """The tower's bytes as the planner counts them equal the loaded encoder's (an HF directory's own tower and a
+    GGUF's mmproj); they are rank 0's, in both split modes, and nobody else's."""
+    from kimi_mlx.parallel.accounting import account_config, account_gguf, checkpoint_tensor_names
+    from kimi_mlx.parallel.cost import Host, plan_pipeline, plan_tensor
+
+    raw = json.loads((CKPT / "config.json").read_text())
+    own = account_config(raw, dtype="float32", tensor_names=checkpoint_tensor_names(CKPT))
+    with_tower, text_only = account_gguf(K3_GGUF, mmproj=MMPROJ), account_gguf(K3_GGUF)
+    tower = gguf_mmproj[0].image_encoder.nbytes
+    assert with_tower.part_bytes("vision") == own.part_bytes("vision") == tower > 0
+    assert text_only.part_bytes("vision") == 0 and with_tower.total - text_only.total == tower
+    hosts = [Host(16), Host(16)]
+    for plan in (plan_pipeline, plan_tensor):
+        a, b = plan(with_tower, hosts), plan(text_only, hosts)
+        assert a.ranks[0].weights - b.ranks[0].weights == tower and a.ranks[1].weights == b.ranks[1].weights
+
+
+def test_plan_cli_shows_the_tower(capsys, tmp_path):
+    from kimi_mlx.cli.main import main as cli_main
+
+    assert cli_main(["plan", "--model", str(K3_GGUF), "--mmproj", str(MMPROJ), "--hosts", "16,16"]) == 0
+    assert "vision tower + projector: 0.84 MB, held by rank 0" in capsys.readouterr().out
+    assert cli_main(["plan", "--model", str(KL_FIXTURE / "hf"), "--mmproj", str(MMPROJ), "--hosts", "16"]) == 2
+    assert "Kimi Linear is a text-only model" in capsys.readouterr().err

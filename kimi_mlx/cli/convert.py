@@ -82,7 +82,8 @@ def _check_out(out: Path, force: bool) -> None:
 
 def _load_source(src: str, dtype, requantize: bool = False, scale_dtype=mx.float32, progress: bool = False):
     """(model, cfg, source config.json dict or None, tokenizer files, the source's main float dtype or None, its
-    path) for a GGUF (``requantize``, ``scale_dtype``: see ``load_gguf_model``), a model directory, an HF repo id or 'demo'."""
+    path) for a GGUF (``requantize``, ``scale_dtype``: see ``load_gguf_model``), a model directory, an HF repo id or
+    'demo'."""
     from ..convert.writer import TOKENIZER_FILES, tiktoken_file_text, tokenizer_config
     from ..loading import (
         ModelNotFoundError,
