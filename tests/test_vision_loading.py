@@ -224,6 +224,27 @@ def test_converted_directory_keeps_the_tower(tmp_path):
         assert _logprob_error(loaded, img) < 1e-4
 
 
+def test_converted_gguf_keeps_the_mmproj_beside_it(tmp_path):
+    """A K3 GGUF with an mmproj beside it converts to a directory holding the tower (as float32 from the F32 file),
+    its vision_config and preprocessor_config.json (the mmproj's keys + the released defaults); it loads without
+    the mmproj and gives mlx-vlm's logits."""
+    from kimi_mlx.cli.main import main as cli_main
+
+    shutil.copy(K3_GGUF, tmp_path / K3_GGUF.name)
+    shutil.copy(MMPROJ, tmp_path / MMPROJ.name)
+    out = tmp_path / "mlx"
+    assert cli_main(["convert", "--model", str(tmp_path / K3_GGUF.name), "--out", str(out), "--quiet"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["vision_config"]["vt_hidden_size"] == 48 and config["vision_config"]["projector_ln_eps"] == 1e-5
+    assert json.loads((out / "preprocessor_config.json").read_text())["media_proc_cfg"]["in_patch_limit"] == 400
+    loaded = load(out, dtype=mx.float32)
+    assert loaded[0].image_encoder.source == str(out)
+    assert _logprob_error(loaded, "img1_rgba_100x300") < 1e-4
+    text_only = tmp_path / "kl"
+    assert cli_main(["convert", "--model", str(KL_FIXTURE / "hf"), "--out", str(text_only), "--quiet",
+                     "--mmproj", str(MMPROJ)]) == 2
+
+
 def _dequantized(vision, paths, group_size, bits, dtype=mx.float32):
     """``vision`` with each Linear of ``paths`` holding dequantize(quantize(weight)) (quantized in ``dtype``: scales
     and biases in it): what the quantized model computes, in float32."""

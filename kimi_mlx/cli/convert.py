@@ -50,6 +50,9 @@ def add_parser(commands) -> None:
     p.add_argument("--gguf-scales", choices=("float32", "float16", "bfloat16"), default="float32",
                    help="GGUF: dtype of the affine scales/biases (float32: bit-exact; float16/bfloat16: compact, "
                         "Q4_K/Q5_K 1 bit per weight smaller, error warned about)")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="Kimi-K3: write this llama.cpp mmproj GGUF's vision tower into the output (default: the "
+                        "source's own tower, or the mmproj*.gguf beside a GGUF source)")
     p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -174,8 +177,8 @@ def convert(args: argparse.Namespace) -> Path:
     floats = Counter(v.dtype for v in params.values() if mx.issubdtype(v.dtype, mx.floating))
     torch_dtype = DTYPE_NAMES.get(floats.most_common(1)[0][0]) if floats else None
     weights, quantization = to_mlx_lm_layout(params, cfg, quantization_entry(model))
-    keep_tower(weights, files, path, base, dtype or stored or mx.float32, spec)
-    config = hf_config(cfg, quantization=quantization, base=base, torch_dtype=torch_dtype)
+    tower = keep_tower(weights, files, path, cfg, dtype or stored or mx.float32, spec, getattr(args, "mmproj", None))
+    config = hf_config(cfg, quantization=quantization, base=base, torch_dtype=torch_dtype) | tower
     write_model_dir(out, weights, config, files, max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
                     progress=not args.quiet)
     note = ggml_note(quantization, args.quantize)
@@ -184,26 +187,40 @@ def convert(args: argparse.Namespace) -> Path:
     return out
 
 
-def keep_tower(weights: dict, files: dict, path: Path, base: dict | None, dtype, spec: dict | None) -> None:
-    """Add a K3 checkpoint directory's vision tower and projector (``vision_config`` in its config.json; nothing
-    without) to the ``weights`` and ``files`` to write: MLX parameters ``vision_tower.*``, ``mm_projector.*`` (the
-    patch conv as MLX's [D, P, P, 3], as mlx-vlm writes it) in ``dtype``, and its ``preprocessor_config.json``.
-    With ``spec`` (``--quantize``) the projector's Linears whose input width the group divides are quantized and
-    the tower stays float, as mlx-vlm's convert does."""
+def keep_tower(weights: dict, files: dict, path: Path, cfg, dtype, spec: dict | None, mmproj=None) -> dict:
+    """Add K3's vision tower and projector, as ``load`` would attach them (``mmproj``, else the checkpoint
+    directory's own ``vision_config`` tower, else the ``mmproj*.gguf`` beside a GGUF ``path``; nothing without one),
+    to the ``weights`` and ``files`` to write: MLX parameters ``vision_tower.*``, ``mm_projector.*`` (the patch conv
+    as MLX's [D, P, P, 3], as mlx-vlm writes it) in ``dtype``, and ``preprocessor_config.json``. With ``spec``
+    (``--quantize``) the projector's Linears whose input width the group divides are quantized and the tower stays
+    float, as mlx-vlm's convert does. Returns the config.json keys to set (an mmproj's ``vision_config``)."""
     import mlx.nn as nn
 
-    from ..loading import checkpoint_quantization
-    from ..vision.model import has_vision, load_vision
+    from ..loading import checkpoint_quantization, tower_source
+    from ..vision.mmproj import load_mmproj, open_mmproj
+    from ..vision.model import load_vision
 
-    if base is None or not has_vision(path):
-        return
-    vision = load_vision(path, dtype, checkpoint_quantization(base, str(path / "config.json")))
+    if not cfg.is_k3:
+        if mmproj is not None:
+            raise ConvertError(f"--mmproj {mmproj}: Kimi Linear is a text-only model; an mmproj goes with Kimi-K3")
+        return {}
+    where = tower_source(path, mmproj)
+    if isinstance(where, str):
+        return {}
+    if where.is_file():
+        mm = open_mmproj(where)
+        vision, keys = load_mmproj(mm, dtype), {"vision_config": mm.cfg.to_hf()}
+        files["preprocessor_config.json"] = json.dumps(mm.preprocess.to_hf(), indent=2) + "\n"
+    else:
+        raw = json.loads((where / "config.json").read_text())
+        vision, keys = load_vision(where, dtype, checkpoint_quantization(raw, str(where / "config.json"))), {}
+        files["preprocessor_config.json"] = where / "preprocessor_config.json"
     if spec is not None:
         nn.quantize(vision, group_size=spec["group_size"], bits=spec["bits"], mode=spec["mode"],
                     class_predicate=lambda p, m: p.startswith("mm_projector.") and isinstance(m, nn.Linear)
                     and m.weight.shape[-1] % spec["group_size"] == 0)
     weights.update(tree_flatten(vision.parameters()))
-    files["preprocessor_config.json"] = path / "preprocessor_config.json"
+    return keys
 
 
 def run(args: argparse.Namespace) -> int:

@@ -70,11 +70,11 @@ def fuse_model(
     weights, quantization = to_mlx_lm_layout(params, cfg, quantization_entry(model))
     floats = Counter(v.dtype for v in params.values() if mx.issubdtype(v.dtype, mx.floating))
     torch_dtype = DTYPE_NAMES.get(floats.most_common(1)[0][0]) if floats else None
-    keep_tower(weights, files, path, base, floats.most_common(1)[0][0] if floats else mx.float32, None)
+    tower = keep_tower(weights, files, path, cfg, floats.most_common(1)[0][0] if floats else mx.float32, None)
     write_model_dir(
         out,
         weights,
-        hf_config(cfg, quantization=quantization, base=base, torch_dtype=torch_dtype),
+        hf_config(cfg, quantization=quantization, base=base, torch_dtype=torch_dtype) | tower,
         files,
         progress=False,
     )
