@@ -538,6 +538,10 @@ def load(
         GGUF the ``mmproj*.gguf`` beside it (several there: ValueError asking for one). With ``parallel``, only
         rank 0 reads the tower.
     """
+    if mmproj is not None:
+        from .vision.mmproj import open_mmproj
+
+        open_mmproj(mmproj)  # its header and tensor list checked before any text weight is read
     gguf = str(path_or_hf_id).endswith(".gguf")  # one GGUF, or any shard of a -0000k-of-0000N.gguf split set
     if gguf:
         def open_model() -> Opened:
@@ -596,14 +600,11 @@ def _attach_image_encoder(model: nn.Module, tokenizer, source: Optional[Path], m
 
 def tower_source(source: Optional[Path], mmproj) -> Union[Path, str]:
     """Where the vision tower comes from (an mmproj GGUF, or a checkpoint directory), or why there is none."""
-    from .vision.mmproj import find_mmproj
+    from .vision.mmproj import find_mmproj, mmproj_file
     from .vision.model import PREFIXES, has_vision
 
     if mmproj is not None:
-        path = Path(mmproj).expanduser()
-        if not path.is_file():
-            raise ValueError(f"mmproj {mmproj}: no such file (expected llama.cpp's Kimi-K3 mmproj GGUF)")
-        return path
+        return mmproj_file(mmproj)
     if source is None:
         return "this checkpoint has no vision tower: images are unavailable"
     if source.suffix == ".gguf":

@@ -76,10 +76,18 @@ def hf_names(num_layers: int) -> dict[str, str]:
     return out
 
 
+def mmproj_file(path: Union[str, Path]) -> Path:
+    """``path`` as a Path, or GGUFFormatError when it is not a file."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise GGUFFormatError(f"mmproj {path}: no such file (expected llama.cpp's Kimi-K3 mmproj GGUF)")
+    return file
+
+
 def open_mmproj(path: Union[str, Path]) -> MMProj:
     """Read and check an mmproj's header (no tensor data is read): GGUFFormatError naming the file and the key or
     tensor when it is not a Kimi-K3 mmproj, lacks a key, or holds a missing, extra or misshaped tensor."""
-    g = GGUFFile(Path(path).expanduser())
+    g = GGUFFile(mmproj_file(path))
     kind = g.values.get("clip.projector_type")
     if kind != PROJECTOR_TYPE:
         what = "has no 'clip.projector_type' key (not an mmproj GGUF: general.architecture " \
