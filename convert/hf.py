@@ -8,7 +8,8 @@ Accepted layouts for Kimi Linear:
 
 Kimi-K3 adds the ``language_model.`` prefix (added when a text-only export lacks it), AttnRes pairs
 ``{self_attention,mlp,output_attn}_res_{norm,proj}``, latent-MoE projections, ``A_log`` stored padded (the first
-``num_heads`` entries are the per-head values), vision/MTP tensors (dropped), and compressed-tensors
+``num_heads`` entries are the per-head values), vision tensors (not the text model's: ``kimi_mlx.load`` reads
+them apart as the image encoder when config.json has a ``vision_config``), MTP tensors (dropped), and compressed-tensors
 ``mxfp4-pack-quantized`` routed experts (``weight_packed`` uint8 ``[out, in/2]``, two E2M1 codes per byte, low
 nibble = even element; ``weight_scale`` uint8 ``[out, in/32]``, E8M0). That is byte for byte MLX's
 ``mode="mxfp4"`` layout (uint32 words of 8 low-nibble-first codes, uint8 E8M0 scales), so the experts are
@@ -174,15 +175,12 @@ _K3_ALIASES = (
 
 def kimi_k3_to_mlx(weights: dict[str, mx.array], cfg) -> dict[str, mx.array]:
     """Kimi-K3 checkpoint -> kimi-mlx parameters under ``language_model.`` (see module docstring)."""
-    text, vision = {}, 0
+    text = {}
     for key, value in weights.items():
         bare = key[len("language_model."):] if key.startswith("language_model.") else key
         if bare.startswith(_K3_DROPPED):
-            vision += 1
-            continue
+            continue  # the vision tower's: read apart, as the image encoder (or ignored when config.json has none)
         for pattern, replacement in _K3_ALIASES:
             bare = pattern.sub(replacement, bare)
         text[bare] = value
-    if vision:
-        log.warning("note: ignoring %d vision tower / projector tensors; kimi-mlx runs K3's text model", vision)
     return {f"language_model.{k}": v for k, v in kimi_linear_to_mlx(text, cfg).items()}

@@ -10,6 +10,7 @@ optionally quantizes on load.
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -33,8 +34,11 @@ from .models.kimi_k3 import K3Model
 from .ops.ggml import FORMATS as GGML_FORMATS
 from .models.kimi_linear import Model
 from .ops.memory import check_fits
-from .parallel import Opened, Select, Share, Split, load_parallel
+from .parallel import Opened, Select, Share, Split, init_group, load_parallel
 from .parallel.pipeline import layer_bytes
+
+
+log = logging.getLogger("kimi_mlx")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -506,9 +510,10 @@ def load(
     path_or_hf_id: Union[str, Path], dtype: Optional[mx.Dtype] = None, quantize=None, requantize: bool = False,
     gguf_scale_dtype: mx.Dtype = mx.float32, adapter_path: Optional[Union[str, Path]] = None,
     progress: bool = False, parallel: Optional[str] = None, group: Optional[mx.distributed.Group] = None,
-    split: Split = None,
+    split: Split = None, mmproj: Optional[Union[str, Path]] = None,
 ):
-    """``(model, tokenizer)`` like ``mlx_lm.load``.
+    """``(model, tokenizer)`` like ``mlx_lm.load``; a Kimi-K3 model with a vision tower carries
+    ``model.image_encoder`` (else None, and ``model.no_images_reason``).
 
     dtype: cast float weights (e.g. ``mx.float32``); router bias, A_log, dt_bias and conv weights stay float32.
         Default: as stored on the GPU, float32 on the CPU backend.
@@ -528,7 +533,15 @@ def load(
         the plain single-process model.
     split: pipeline only: None (layers in proportion to each rank's memory), "even", or layer counts per rank
         (``[20, 7]`` or ``"20,7"``).
+    mmproj: Kimi-K3: llama.cpp's mmproj GGUF (the vision tower and projector) to use with any text source, in place
+        of the checkpoint's own tower. Without it: the checkpoint directory's tower (``vision_config``), or for a
+        GGUF the ``mmproj*.gguf`` beside it (several there: ValueError asking for one). With ``parallel``, only
+        rank 0 reads the tower.
     """
+    if mmproj is not None:
+        from .vision.mmproj import open_mmproj
+
+        open_mmproj(mmproj)  # its header and tensor list checked before any text weight is read
     gguf = str(path_or_hf_id).endswith(".gguf")  # one GGUF, or any shard of a -0000k-of-0000N.gguf split set
     if gguf:
         def open_model() -> Opened:
@@ -550,29 +563,109 @@ def load(
         _read_lazy_weights
     model, opened = load_parallel(parallel, group, split, adapter_path, open_model, read_weights)
     tokenizer = opened.state["tokenizer"]
-    _attach_image_encoder(model, tokenizer, opened.state.get("path"))
+    source = Path(path_or_hf_id).expanduser() if gguf else opened.state.get("path")
+    _attach_image_encoder(model, tokenizer, source, mmproj, init_group(parallel, group))
     return _with_adapters(model, adapter_path), tokenizer
 
 
-def _attach_image_encoder(model: nn.Module, tokenizer, path: Optional[Path]) -> None:
-    """``model.image_encoder``: the checkpoint's vision tower as an ``ImageEncoder`` (K3 with ``vision_tower.*``
-    tensors), else None with ``model.no_images_reason`` saying why images are refused."""
+def _attach_image_encoder(model: nn.Module, tokenizer, source: Optional[Path], mmproj=None,
+                          group: Optional[mx.distributed.Group] = None):
+    """``model.image_encoder`` (also returned): an ``ImageEncoder`` over K3's vision tower from ``mmproj`` (a
+    llama.cpp mmproj GGUF, replacing any tower of the checkpoint), else the checkpoint directory's own tower
+    (``vision_config`` + ``vision_tower.*``), else an ``mmproj*.gguf`` beside a GGUF ``source``; None, with
+    ``model.no_images_reason`` saying why images are refused, when there is none. On ranks > 0 of ``group`` the
+    encoder holds the tower's config and preprocessing but no weights (nothing of the tower is read there)."""
     from .vision.encoder import ImageEncoder
-    from .vision.model import has_vision, load_vision
-    from .vision.preprocess import VisionPreprocessConfig
 
     model.image_encoder = None
     if not model.args.is_k3:
+        if mmproj is not None:
+            raise ValueError(f"mmproj {mmproj}: Kimi Linear is a text-only model; an mmproj (vision tower) goes "
+                             "with a Kimi-K3 model")
         model.no_images_reason = "Kimi Linear is a text-only model: it takes no images"
-        return
-    if path is None or not has_vision(path):
-        model.no_images_reason = (f"{path if path is not None else 'this checkpoint'} has no vision tower "
-                                  "(no vision_tower.* tensors): images are unavailable")
-        return
-    vision = load_vision(path, dtype=_float_dtype(model))
-    preprocess = VisionPreprocessConfig.from_file(path / "preprocessor_config.json")
-    placeholder = tokenizer.convert_tokens_to_ids("<|media_pad|>")
-    model.image_encoder = ImageEncoder(vision, preprocess, placeholder, _float_dtype(model), str(path))
+        return None
+    tower = tower_source(source, mmproj)
+    if isinstance(tower, str):
+        model.no_images_reason = tower
+        return None
+    dtype = _float_dtype(model)
+    vision, cfg, preprocess = read_tower(tower, dtype, group is None or group.rank() == 0)
+    if cfg.text_hidden_size != model.args.hidden_size:
+        raise ValueError(f"{tower}: the vision projector's output width is {cfg.text_hidden_size}, the text model's "
+                         f"hidden size {model.args.hidden_size}: this vision tower belongs to another model")
+    placeholder = _placeholder_id(tokenizer, source)
+    model.image_encoder = ImageEncoder(vision, preprocess, placeholder, dtype, str(tower), cfg=cfg)
+    return model.image_encoder
+
+
+def tower_source(source: Optional[Path], mmproj) -> Union[Path, str]:
+    """Where the vision tower comes from (an mmproj GGUF, or a checkpoint directory), or why there is none."""
+    from .vision.mmproj import find_mmproj, mmproj_file
+    from .vision.model import PREFIXES, has_vision
+
+    if mmproj is not None:
+        return mmproj_file(mmproj)
+    if source is None:
+        return "this checkpoint has no vision tower: images are unavailable"
+    if source.suffix == ".gguf":
+        found = find_mmproj(source)
+        if found is not None:
+            log.info("vision tower: %s (found beside %s)", found, source.name)
+            return found
+        return (f"{source} has no vision tower (a GGUF holds the text model; no mmproj*.gguf lies beside it): "
+                "images are unavailable; pass --mmproj FILE (load(..., mmproj=FILE)) to add llama.cpp's mmproj")
+    if has_vision(source):
+        return source
+    from .parallel.accounting import checkpoint_tensor_names
+
+    stray = sum(k.removeprefix("language_model.").startswith(PREFIXES)
+                for k in checkpoint_tensor_names(source) or ())
+    if stray:
+        log.warning("note: %s holds %d vision tower / projector tensors but its config.json has no vision_config: "
+                    "they are ignored, the model loads text-only and images are unavailable", source, stray)
+    return (f"{source} has no vision tower (no vision_config in config.json): images are unavailable; pass "
+            "--mmproj FILE (load(..., mmproj=FILE)) to add llama.cpp's mmproj")
+
+
+def read_tower(tower: Path, dtype: mx.Dtype, read: bool):
+    """(VisionModel or None, VisionConfig, VisionPreprocessConfig) of an mmproj GGUF or a checkpoint directory;
+    the weights only when ``read``."""
+    from .vision.config import VisionConfig
+    from .vision.mmproj import load_mmproj, open_mmproj
+    from .vision.model import load_vision
+    from .vision.preprocess import VisionPreprocessConfig
+
+    if tower.is_file():
+        mm = open_mmproj(tower)
+        return (load_mmproj(mm, dtype) if read else None), mm.cfg, mm.preprocess
+    raw = _read_config(tower)
+    cfg = VisionConfig.from_hf(raw, source=str(tower / "config.json"))
+    preprocess = VisionPreprocessConfig.from_file(tower / "preprocessor_config.json")
+    quantization = checkpoint_quantization(raw, str(tower / "config.json"))
+    return (load_vision(tower, dtype, quantization) if read else None), cfg, preprocess
+
+
+K3_MEDIA_PAD_SLOT = 21  # <|media_pad|> is K3's control token [BOS] + 21 (163605 = 163584 + 21 in the release)
+
+
+def _placeholder_id(tokenizer, source: Optional[Path]) -> int:
+    """The token an image row takes in a prompt: the tokenizer's ``<|media_pad|>``; else the checkpoint's
+    ``media_placeholder_token_id``; else, for a tokenizer whose control table leaves that slot unnamed
+    (``<|reserved_token_21|>``, as K2-era tables do), K3's slot [BOS] + 21 (with a note)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    tid = tokenizer.convert_tokens_to_ids("<|media_pad|>")
+    if tid is not None and tid != unk:
+        return tid
+    if source is not None and source.is_dir() and "media_placeholder_token_id" in (raw := _read_config(source)):
+        return int(raw["media_placeholder_token_id"])
+    bos = getattr(tokenizer, "bos_token_id", None)
+    slot = None if bos is None else bos + K3_MEDIA_PAD_SLOT
+    name = tokenizer.convert_ids_to_tokens(slot) if slot is not None else None
+    if name != f"<|reserved_token_{K3_MEDIA_PAD_SLOT}|>":
+        raise ValueError(f"{source}: the tokenizer has no <|media_pad|> token (K3's image placeholder) and its "
+                         f"slot [BOS] + {K3_MEDIA_PAD_SLOT} holds {name!r}: cannot place images in a prompt")
+    log.warning("note: the tokenizer has no <|media_pad|>; images take id %d (%s, K3's media_pad slot)", slot, name)
+    return slot
 
 
 def _read_gguf_weights(dtype, quantize, requantize: bool, scale_dtype, progress: bool):

@@ -821,6 +821,20 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/chat/session.py", "return rows.key(ids) if rows is not None else list(ids)", "return list(ids)"),),
         ("tests/test_chat_session_images.py::test_same_size_other_pixels_is_not_served_from_the_cache",),
     ),
+    # -- K3 vision: loading
+    PlantedBug(
+        "mmproj: the converter's q/k permutation not undone",
+        (("kimi_mlx/vision/mmproj.py", "w = unpermute_qk(w, mm.cfg.num_heads, mm.cfg.head_dim)", "w = w"),),
+        ("tests/test_vision_loading.py::test_mmproj_tower_equals_the_hf_tower",),
+    ),
+    PlantedBug(
+        "mmproj: tower eps taken from the file (llama.cpp's 1e-5, not 2^-7)",
+        (("kimi_mlx/vision/mmproj.py", 'text_hidden_size=g.get_int(key + "projection_dim", minimum=1),',
+          'text_hidden_size=g.get_int(key + "projection_dim", minimum=1), '
+          'tower_norm_eps=_positive_float(g, key + "attention.layer_norm_epsilon"),'),),
+        ("tests/test_vision_loading.py::test_mmproj_tower_equals_the_hf_tower",
+         "tests/test_vision_loading.py::test_k3_gguf_with_mmproj_matches_mlx_vlm"),
+    ),
 )
 
 

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from kimi_mlx.config import ConfigError, KimiConfig
 from kimi_mlx.ops.kda_gates import kda_decay
 from kimi_mlx.layers.moe import situ
-from kimi_mlx.loading import load_model
+from kimi_mlx.loading import load, load_model
 from kimi_mlx.ops.attn_res import attn_res_mix
 
 # E2M1 (FP4) code -> value, from the OCP MX spec: sign bit 3, exponent bits 2-1, mantissa bit 0.
@@ -273,12 +273,14 @@ def test_other_attn_res_spelling_and_no_prefix(k3_copy, k3_model):
 
 
 def test_vision_and_mtp_tensors_ignored_with_a_note(k3_copy, k3_model, caplog):
-    """The fixture's vision tower/projector tensors and an added MTP tensor are skipped (same logits) with a note
-    that says how many and why."""
+    """The fixture's stray vision tower/projector tensors (no vision_config in its config.json) and an added MTP
+    tensor are skipped (same logits) with notes that say how many and what follows: text only, no images."""
     edit_checkpoint(k3_copy, weights=lambda w: w.__setitem__("language_model.model.mtp.0.proj.weight", mx.zeros((4,))))
     with caplog.at_level("WARNING", logger="kimi_mlx"):
-        model, _ = load_model(k3_copy, dtype=mx.float32)
+        model, _ = load(k3_copy, dtype=mx.float32)
     notes = " ".join(r.getMessage() for r in caplog.records)
-    assert "ignoring 2 vision tower / projector tensors" in notes and "ignoring 1 multi-token-prediction" in notes
+    assert "holds 2 vision tower / projector tensors but its config.json has no vision_config" in notes
+    assert "images are unavailable" in notes and "ignoring 1 multi-token-prediction" in notes
+    assert model.image_encoder is None and "no vision tower" in model.no_images_reason
     ids = mx.array([list(range(12))])
     assert mx.array_equal(model(ids), k3_model(ids)).item()

@@ -443,7 +443,7 @@ class GGUFFile:
         return self.values[key]
 
     def get_array(self, key: str, elem: str, *, length: Optional[int] = None, required: bool = True):
-        """``elem``: "int" / "str"."""
+        """``elem``: "int" / "str" / "float" (integers accepted; values as Python floats)."""
         from gguf import GGUFValueType
 
         if key not in self.values:
@@ -459,7 +459,14 @@ class GGUFFile:
         if elem == "int" and sub in (GGUFValueType.STRING, GGUFValueType.FLOAT32, GGUFValueType.FLOAT64,
                                      GGUFValueType.BOOL, GGUFValueType.ARRAY):
             self._fail(key, f"an array of {sub.name}", "an ARRAY of integers")
+        if elem == "float" and sub not in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64, GGUFValueType.INT32,
+                                           GGUFValueType.UINT32):
+            self._fail(key, f"an array of {sub.name}", "an ARRAY of FLOAT32")
         v = list(self.values[key])
+        if elem == "float":
+            v = [float(x) for x in v]
+            if not all(np.isfinite(v)):
+                self._fail(key, v, "finite floats")
         if length is not None and len(v) != length:
             self._fail(key, f"an array of length {len(v)}", f"length {length}")
         return v

@@ -50,6 +50,9 @@ def add_parser(commands) -> None:
     p.add_argument("--gguf-scales", choices=("float32", "float16", "bfloat16"), default="float32",
                    help="GGUF: dtype of the affine scales/biases (float32: bit-exact; float16/bfloat16: compact, "
                         "Q4_K/Q5_K 1 bit per weight smaller, error warned about)")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="Kimi-K3: write this llama.cpp mmproj GGUF's vision tower into the output (default: the "
+                        "source's own tower, or the mmproj*.gguf beside a GGUF source)")
     p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -81,8 +84,9 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def _load_source(src: str, dtype, requantize: bool = False, scale_dtype=mx.float32, progress: bool = False):
-    """(model, cfg, source config.json dict or None, tokenizer files, the source's main float dtype or None) for a
-    GGUF (``requantize``, ``scale_dtype``: see ``load_gguf_model``), a model directory, an HF repo id or 'demo'."""
+    """(model, cfg, source config.json dict or None, tokenizer files, the source's main float dtype or None, its
+    path) for a GGUF (``requantize``, ``scale_dtype``: see ``load_gguf_model``), a model directory, an HF repo id or
+    'demo'."""
     from ..convert.writer import TOKENIZER_FILES, tiktoken_file_text, tokenizer_config
     from ..loading import (
         ModelNotFoundError,
@@ -115,7 +119,7 @@ def _load_source(src: str, dtype, requantize: bool = False, scale_dtype=mx.float
             "generation_config.json": json.dumps(
                 {"bos_token_id": cfg.bos_token_id, "eos_token_id": sorted(wrapper.eos_token_ids)}, indent=2) + "\n",
         }
-        return model, cfg, None, files, stored
+        return model, cfg, None, files, stored, path
     try:
         path = resolve_model_path(src)
     except ModelNotFoundError as e:
@@ -132,7 +136,7 @@ def _load_source(src: str, dtype, requantize: bool = False, scale_dtype=mx.float
     model, cfg = load_model(path, dtype=dtype)
     base = json.loads((path / "config.json").read_text())
     files = {name: path / name for name in TOKENIZER_FILES if (path / name).is_file()}
-    return model, cfg, base, files, stored
+    return model, cfg, base, files, stored, path
 
 
 def shrink_to(model, dtype) -> None:
@@ -162,8 +166,8 @@ def convert(args: argparse.Namespace) -> Path:
     if args.quantize is not None:
         spec = _quantization_spec({"bits": args.quantize, "group_size": args.q_group_size})
     dtype = DTYPES.get(args.dtype)
-    model, cfg, base, files, stored = _load_source(args.model, dtype, args.requantize, DTYPES[args.gguf_scales],
-                                                   progress=not args.quiet)
+    model, cfg, base, files, stored, path = _load_source(args.model, dtype, args.requantize,
+                                                         DTYPES[args.gguf_scales], progress=not args.quiet)
     if dtype is None and stored is not None:
         shrink_to(model, stored)
     if spec is not None:
@@ -173,13 +177,50 @@ def convert(args: argparse.Namespace) -> Path:
     floats = Counter(v.dtype for v in params.values() if mx.issubdtype(v.dtype, mx.floating))
     torch_dtype = DTYPE_NAMES.get(floats.most_common(1)[0][0]) if floats else None
     weights, quantization = to_mlx_lm_layout(params, cfg, quantization_entry(model))
-    config = hf_config(cfg, quantization=quantization, base=base, torch_dtype=torch_dtype)
+    tower = keep_tower(weights, files, path, cfg, dtype or stored or mx.float32, spec, getattr(args, "mmproj", None))
+    config = hf_config(cfg, quantization=quantization, base=base, torch_dtype=torch_dtype) | tower
     write_model_dir(out, weights, config, files, max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
                     progress=not args.quiet)
     note = ggml_note(quantization, args.quantize)
     if note:
         print(note, file=sys.stderr)
     return out
+
+
+def keep_tower(weights: dict, files: dict, path: Path, cfg, dtype, spec: dict | None, mmproj=None) -> dict:
+    """Add K3's vision tower and projector, as ``load`` would attach them (``mmproj``, else the checkpoint
+    directory's own ``vision_config`` tower, else the ``mmproj*.gguf`` beside a GGUF ``path``; nothing without one),
+    to the ``weights`` and ``files`` to write: MLX parameters ``vision_tower.*``, ``mm_projector.*`` (the patch conv
+    as MLX's [D, P, P, 3], as mlx-vlm writes it) in ``dtype``, and ``preprocessor_config.json``. With ``spec``
+    (``--quantize``) the projector's Linears whose input width the group divides are quantized and the tower stays
+    float, as mlx-vlm's convert does. Returns the config.json keys to set (an mmproj's ``vision_config``)."""
+    import mlx.nn as nn
+
+    from ..loading import checkpoint_quantization, tower_source
+    from ..vision.mmproj import load_mmproj, open_mmproj
+    from ..vision.model import load_vision
+
+    if not cfg.is_k3:
+        if mmproj is not None:
+            raise ConvertError(f"--mmproj {mmproj}: Kimi Linear is a text-only model; an mmproj goes with Kimi-K3")
+        return {}
+    where = tower_source(path, mmproj)
+    if isinstance(where, str):
+        return {}
+    if where.is_file():
+        mm = open_mmproj(where)
+        vision, keys = load_mmproj(mm, dtype), {"vision_config": mm.cfg.to_hf()}
+        files["preprocessor_config.json"] = json.dumps(mm.preprocess.to_hf(), indent=2) + "\n"
+    else:
+        raw = json.loads((where / "config.json").read_text())
+        vision, keys = load_vision(where, dtype, checkpoint_quantization(raw, str(where / "config.json"))), {}
+        files["preprocessor_config.json"] = where / "preprocessor_config.json"
+    if spec is not None:
+        nn.quantize(vision, group_size=spec["group_size"], bits=spec["bits"], mode=spec["mode"],
+                    class_predicate=lambda p, m: p.startswith("mm_projector.") and isinstance(m, nn.Linear)
+                    and m.weight.shape[-1] % spec["group_size"] == 0)
+    weights.update(tree_flatten(vision.parameters()))
+    return keys
 
 
 def run(args: argparse.Namespace) -> int:

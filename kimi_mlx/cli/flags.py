@@ -20,9 +20,13 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --adapter-path, --dtype, --quantize, --q-group-size, --parallel, --split."""
+    """--model, --mmproj, --adapter-path, --dtype, --quantize, --q-group-size, --parallel, --split."""
     p.add_argument("--model", required=True,
                    help="model directory, HF repo id, GGUF file, or 'demo' (built-in tiny model)")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="Kimi-K3: llama.cpp's mmproj GGUF (vision tower + projector) for images, with any --model; "
+                        "replaces a checkpoint's own tower (default: the checkpoint's tower, or the mmproj*.gguf "
+                        "beside a --model GGUF)")
     p.add_argument("--adapter-path", default=None, metavar="DIR",
                    help="LoRA/DoRA adapter directory (adapters.safetensors + adapter_config.json) to apply")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast float weights (default: as stored)")
@@ -126,7 +130,7 @@ def load_from_args(args: argparse.Namespace, progress: bool = True, group: Optio
     try:
         out = load(args.model, dtype=DTYPES.get(args.dtype), quantize=quantize, adapter_path=args.adapter_path,
                    progress=progress and gguf, parallel=getattr(args, "parallel", None), group=group,
-                   split=getattr(args, "split", None))
+                   split=getattr(args, "split", None), mmproj=getattr(args, "mmproj", None))
         loaded = True
         keep_wired()
         return out

@@ -55,11 +55,11 @@ def fuse_model(
     from ..convert.writer import hf_config, to_mlx_lm_layout, write_model_dir
     from ..loading import quantization_entry
     from ..tuner.adapters import adapters_on_ggml_blocks, dequantize_all, fuse_adapters, load_adapters
-    from .convert import DTYPE_NAMES, _check_out, _load_source, ggml_note
+    from .convert import DTYPE_NAMES, _check_out, _load_source, ggml_note, keep_tower
 
     out = Path(save_path).expanduser()
     _check_out(out, force)
-    model, cfg, base, files, _ = _load_source(model_src, dtype)
+    model, cfg, base, files, _, path = _load_source(model_src, dtype)
     config = load_adapters(model, adapter_path)
     on_blocks = adapters_on_ggml_blocks(model)
     n = fuse_adapters(model, dequantize=dequantize)
@@ -70,10 +70,11 @@ def fuse_model(
     weights, quantization = to_mlx_lm_layout(params, cfg, quantization_entry(model))
     floats = Counter(v.dtype for v in params.values() if mx.issubdtype(v.dtype, mx.floating))
     torch_dtype = DTYPE_NAMES.get(floats.most_common(1)[0][0]) if floats else None
+    tower = keep_tower(weights, files, path, cfg, floats.most_common(1)[0][0] if floats else mx.float32, None)
     write_model_dir(
         out,
         weights,
-        hf_config(cfg, quantization=quantization, base=base, torch_dtype=torch_dtype),
+        hf_config(cfg, quantization=quantization, base=base, torch_dtype=torch_dtype) | tower,
         files,
         progress=False,
     )

@@ -38,6 +38,9 @@ def add_parser(commands) -> None:
     )
     p.add_argument("--model", required=True, help="model directory, config.json, GGUF file (any shard), or HF repo "
                    "id (only its config.json is downloaded)")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="Kimi-K3: the llama.cpp mmproj GGUF load will use (default: the checkpoint's vision tower, or "
+                   "the mmproj*.gguf beside a --model GGUF); the tower's bytes are held by rank 0")
     p.add_argument("--hosts", required=True, metavar="GIB,...",
                    help="memory of each host in GiB (as Apple sizes unified memory), e.g. 512,512,192")
     p.add_argument("--wired-limit", metavar="GIB,...",
@@ -131,7 +134,7 @@ def accounting_from_args(args: argparse.Namespace) -> Accounting:
     if model.endswith(".gguf"):
         if args.experts_mxfp4:
             raise ValueError("--experts-mxfp4: a GGUF's tensor types decide how its experts are held")
-        return account_gguf(model, args.dtype, quantize, args.gguf_scales, args.requantize)
+        return account_gguf(model, args.dtype, quantize, args.gguf_scales, args.requantize, args.mmproj)
     path = Path(model).expanduser()
     names = None
     if path.is_dir():
@@ -145,7 +148,7 @@ def accounting_from_args(args: argparse.Namespace) -> Accounting:
         raise ValueError(f"--model {model}: cannot read {path} as JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"--model {model}: {path} is not a JSON object")
-    return account_config(raw, str(path), args.dtype, quantize, args.experts_mxfp4, names)
+    return account_config(raw, str(path), args.dtype, quantize, args.experts_mxfp4, names, args.mmproj)
 
 
 def _download_config(repo: str) -> Path:
@@ -205,12 +208,14 @@ def _model_lines(acct: Accounting, unit: tuple[float, str]) -> list[str]:
     n_kda = len(cfg.kda_layers)
     experts = f", {cfg.num_experts} routed experts ({cfg.num_experts_per_token} per token)" if cfg.num_experts else ""
     layouts = " + ".join(f"{layout} {b / size:,.2f}" for layout, b in acct.by_layout().items())
+    vision = acct.part_bytes("vision")
+    tower = [f"  vision tower + projector: {vision / size:,.2f} {name}, held by rank 0 (included above)"] if vision else []
     return [
         f"{cfg.model_type} from {acct.source}",
         f"  {cfg.num_hidden_layers} layers ({n_kda} KDA, {cfg.num_hidden_layers - n_kda} MLA){experts}, "
         f"{_count(sum(p.numel for p in acct.params))} parameters",
         f"  weights as loaded: {acct.total / size:,.2f} {name} = {layouts}",
-    ]
+    ] + tower
 
 
 def _span(r: range) -> str:

@@ -3,7 +3,8 @@ residuals (AttnRes), latent MoE, SiTU, the MLA output gate, the full-rank KDA ga
 
 Parameter paths follow the official checkpoint and mlx-lm's ``kimi_k3``: ``language_model.model.layers.{i}.…``,
 ``language_model.lm_head``, per-layer ``{self_attention,mlp}_res_{norm,proj}`` and the model-level
-``output_attn_res_{norm,proj}``. The vision tower and projector are not loaded (text-only).
+``output_attn_res_{norm,proj}``. The vision tower and projector are not part of it (``kimi_mlx.vision``; ``load``
+attaches them as ``model.image_encoder``).
 """
 
 from __future__ import annotations

@@ -122,6 +122,37 @@ def parameters(cfg: KimiConfig) -> list[Param]:
     return out
 
 
+def vision_parameters(vcfg) -> list[Param]:
+    """The parameters of K3's vision tower and projector (``vision.VisionModel`` for the ``VisionConfig``, built
+    unevaluated), part "vision": held by rank 0 only, kept float (``load``'s quantize does not reach them; a
+    checkpoint's MLX-quantized ones are counted as stored)."""
+    from ..vision.model import VisionModel
+
+    return [Param(name, tuple(v.shape), "vision", kind="float")
+            for name, v in tree_flatten(VisionModel(vcfg).parameters())]
+
+
+def tower_config(cfg: KimiConfig, raw: Optional[dict] = None, source: str = "config.json", mmproj=None,
+                 gguf: Optional[Path] = None):
+    """The ``VisionConfig`` of the tower ``load`` attaches (as ``loading.tower_source`` picks it): ``mmproj``
+    (a llama.cpp mmproj GGUF), else the checkpoint's ``vision_config`` (``raw``), else the ``mmproj*.gguf``
+    beside a ``gguf``; None without one (and for Kimi Linear, which takes no ``mmproj``)."""
+    from ..vision.config import VisionConfig
+    from ..vision.mmproj import find_mmproj, open_mmproj
+
+    if not cfg.is_k3:
+        if mmproj is not None:
+            raise ValueError(f"--mmproj {mmproj}: Kimi Linear is a text-only model; an mmproj goes with Kimi-K3")
+        return None
+    if mmproj is None and gguf is not None:
+        mmproj = find_mmproj(gguf)
+    if mmproj is not None:
+        return open_mmproj(mmproj).cfg
+    if raw is not None and "vision_config" in raw:
+        return VisionConfig.from_hf(raw, source=source)
+    return None
+
+
 def _part(name: str) -> str:
     for key in name.split("."):
         if key in _PARTS:
@@ -186,7 +217,8 @@ class Accounting:
         return out
 
     def part_bytes(self, part: str) -> int:
-        """Bytes of "embed", "norm", "head" or "output_attn_res" (0 where the model has none)."""
+        """Bytes of "embed", "norm", "head", "output_attn_res" or "vision" (K3's tower + projector) (0 where the
+        model has none)."""
         return sum(self.nbytes[p.name] for p in self.params if p.part == part)
 
     def by_layout(self) -> dict[str, int]:
@@ -226,7 +258,7 @@ def _account(cfg: KimiConfig, params: Sequence[Param], dtype: str, quantize: Opt
 
 def account_config(raw: dict, source: str = "config.json", dtype: Optional[str] = None,
                    quantize: Optional[QuantSpec] = None, experts_mxfp4: bool = False,
-                   tensor_names: Optional[set[str]] = None) -> Accounting:
+                   tensor_names: Optional[set[str]] = None, mmproj=None) -> Accounting:
     """Bytes as ``load`` holds a safetensors checkpoint with this ``config.json`` content (``raw``).
 
     dtype: ``load(dtype=...)``; None: the checkpoint's ``torch_dtype`` (what a Mac loads by default; parameters that
@@ -236,14 +268,18 @@ def account_config(raw: dict, source: str = "config.json", dtype: Optional[str] 
     tensor_names: the checkpoint's tensor names, when at hand: for an mlx-lm ``quantization`` entry, exactly the
         modules with ``.scales`` are quantized; without names, every module ``quantize_model`` would quantize is
         assumed to be (the layout ``kimi-mlx convert --quantize`` writes).
+    mmproj: ``load(mmproj=...)``: the vision tower counted is that mmproj's, not the checkpoint's own.
     """
     cfg = KimiConfig.from_hf(raw, source=source)
     dtype = dtype or _torch_dtype(raw)
-    params = parameters(cfg)
+    vcfg = tower_config(cfg, raw, source, mmproj)
+    params = parameters(cfg) + (vision_parameters(vcfg) if vcfg is not None else [])
     stored: dict[str, Stored] = {}
     qc = raw.get("quantization_config") or {}
     if raw.get("quantization"):  # mlx-lm's entry wins over quantization_config, as in load
         stored = _mlx_quantized(raw["quantization"], params, DTYPE_BYTES[dtype], tensor_names, source)
+        if mmproj is not None:  # the mmproj's tower is float, whatever the checkpoint's own
+            stored = {k: v for k, v in stored.items() if not k.startswith(("vision_tower.", "mm_projector."))}
     elif qc:
         if (qc.get("quant_method"), qc.get("format")) != ("compressed-tensors", "mxfp4-pack-quantized"):
             raise ValueError(f"{source}: quantization_config quant_method={qc.get('quant_method')!r} "
@@ -326,7 +362,7 @@ def checkpoint_tensor_names(path: Path) -> Optional[set[str]]:
 
 
 def account_gguf(path, dtype: Optional[str] = None, quantize: Optional[QuantSpec] = None,
-                 scale_dtype: str = "float32", requantize: bool = False) -> Accounting:
+                 scale_dtype: str = "float32", requantize: bool = False, mmproj=None) -> Accounting:
     """Bytes as ``load`` holds a GGUF file or split set, from its header only (no tensor data is read).
 
     Quantized tensors of quantizable modules become the MLX layout ``quant.to_mlx`` makes of their GGML type (e.g.
@@ -337,6 +373,7 @@ def account_gguf(path, dtype: Optional[str] = None, quantize: Optional[QuantSpec
     block layer). Everything else is decoded to float: ``dtype``, float32 when None (``load``'s default for GGUF:
     it decodes to float32 and casts only when given a dtype) and for what ``cast_predicate`` does not cast.
     ``quantize``: ``load(gguf, quantize=...)`` on top (block layers are not re-quantized).
+    K3's vision tower, from ``mmproj`` or the ``mmproj*.gguf`` beside the file, in float as ``load`` holds it.
     """
     from ..convert.gguf.arch import build_config, gguf_storage, plan_tensors
     from ..convert.gguf.quant import mlx_layout
@@ -357,7 +394,9 @@ def account_gguf(path, dtype: Optional[str] = None, quantize: Optional[QuantSpec
             spec = QuantSpec(*mlx_layout(info.qtype, requantize))
             label = spec.label + ("" if spec.mode == "mxfp4" else f" ({scale_dtype} scales)")
             stored[name] = Stored(spec.nbytes(p.shape, scales), spec.group_size, f"{info.type_name} -> {label}")
-    return _account(cfg, params.values(), dtype or "float32", quantize, stored, g.source)
+    vcfg = tower_config(cfg, mmproj=mmproj, gguf=g.path)
+    vision = vision_parameters(vcfg) if vcfg is not None else []
+    return _account(cfg, [*params.values(), *vision], dtype or "float32", quantize, stored, g.source)
 
 
 def cache_bytes(cfg: KimiConfig, context: int, layers: Optional[Sequence[int]] = None,

@@ -18,6 +18,11 @@ from .accounting import GB, GIB, Accounting, Param, cache_bytes
 from .splits import SPLIT_SIZES, TensorShare, pipeline_ranges, tensor_shares
 
 
+# K3's vision tower and projector: held by rank 0 (which encodes images and shares the features), counted in its
+# memory, never read per token (it runs once per new image).
+TOWER = frozenset({"vision"})
+
+
 def _fraction(cfg: KimiConfig, p: Param, share: Optional[TensorShare]) -> float:
     """The fraction of ``p`` a rank holding ``share`` keeps: its split field's count over the config's, else all of
     it, or none where it belongs to a block the rank holds none of (``Param.idle``: e.g. a KDA block without heads;
@@ -47,7 +52,7 @@ def _held(p: Param, layers: range, parts: frozenset) -> bool:
 
 def weight_bytes(acct: Accounting, layers: range, parts: frozenset, share: Optional[TensorShare] = None) -> int:
     """Bytes of the parameters a rank holds: its ``layers``, the non-layer ``parts`` ("embed", "norm", "head",
-    "output_attn_res") and, under tensor parallelism, its ``share`` of every split parameter."""
+    "output_attn_res", "vision") and, under tensor parallelism, its ``share`` of every split parameter."""
     return round(sum(acct.nbytes[p.name] * _fraction(acct.cfg, p, share)
                      for p in acct.params if _held(p, layers, parts)))
 
@@ -304,7 +309,8 @@ def plan_pipeline(acct: Accounting, hosts: Sequence[Host], link: Link = JACCL_TB
     ranks = []
     for r, (host, layers) in enumerate(zip(hosts, ranges)):
         parts = head | ({"embed"} if r == 0 else set()) | ({"output_attn_res"} if r == n - 1 else set())
-        ranks.append(RankPlan(r, host, layers, frozenset(parts), None, weight_bytes(acct, layers, parts),
+        held = parts | (TOWER if r == 0 else set())
+        ranks.append(RankPlan(r, host, layers, frozenset(parts), None, weight_bytes(acct, layers, held),
                               cache_bytes(cfg, context, layers, act_bytes=acct.act_bytes, **kv), usable[r]))
     message = [(attn_res_blocks(cfg, rp.layers.stop) + 1) * cfg.hidden_size * acct.act_bytes for rp in ranks[:-1]]
     final = cfg.hidden_size * acct.act_bytes
@@ -380,7 +386,7 @@ def plan_tensor(acct: Accounting, hosts: Sequence[Host], link: Link = JACCL_TB5,
     shares = tensor_shares(cfg, n, acct.split_unit())
     _check_head_cuts(acct, shares)
     ranks = tuple(
-        RankPlan(r, host, layers, parts, share, weight_bytes(acct, layers, parts, share),
+        RankPlan(r, host, layers, parts, share, weight_bytes(acct, layers, parts | (TOWER if r == 0 else set()), share),
                  cache_bytes(cfg, context, layers, share, act_bytes=acct.act_bytes, **kv), _usable(host, reserve_gib))
         for r, (host, share) in enumerate(zip(hosts, shares))
     )

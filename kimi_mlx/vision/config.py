@@ -42,6 +42,21 @@ class VisionConfig:
         """M = mm_hidden_size * kh * kw: width of one merged token."""
         return self.mm_hidden_size * self.merge_kernel[0] * self.merge_kernel[1]
 
+    def to_hf(self) -> dict:
+        """The ``vision_config`` of a config.json (released key names) that ``from_hf`` reads back to this config."""
+        return {
+            "patch_size": self.patch_size, "init_pos_emb_height": self.pos_emb_height,
+            "init_pos_emb_width": self.pos_emb_width, "vt_num_attention_heads": self.num_heads,
+            "vt_num_hidden_layers": self.num_layers, "vt_hidden_size": self.hidden_size,
+            "vt_intermediate_size": self.intermediate_size, "qkv_hidden_size": self.qkv_hidden_size,
+            "merge_kernel_size": list(self.merge_kernel), "mm_hidden_size": self.mm_hidden_size,
+            "projector_ln_eps": self.projector_ln_eps, "text_hidden_size": self.text_hidden_size,
+            "pos_emb_interpolation_mode": "bilinear", "norm_type": "rmsnorm", "mlp_type": "mlp2",
+            "activation_func": "gelu_pytorch_tanh", "attn_bias": False, "linear_bias": False,
+            "patch_embed_proj_bias": False, "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2",
+            "projector_hidden_act": "gelu",
+        }
+
     @classmethod
     def from_hf(cls, raw: dict, source: str = "config.json") -> "VisionConfig":
         """``raw`` is the whole config.json (its ``vision_config`` is read) or the ``vision_config`` dict itself."""

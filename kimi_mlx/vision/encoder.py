@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from typing import Optional
+
 import mlx.core as mx
 import numpy as np
 
 from ..image_prompt import PromptImage
+from .config import VisionConfig
 from .model import VisionModel
 from .preprocess import ImageLike, VisionPreprocessConfig, preprocess
 
@@ -22,12 +25,18 @@ DEFAULT_CACHE_BYTES = 256 << 20
 
 
 class ImageEncoder:
-    """vision: the tower + projector; preprocess: the checkpoint's preprocessing; placeholder_id: the token that
-    holds an image row in a prompt (``<|media_pad|>``); dtype: the tower's compute dtype (the text model's);
-    source: where the tower was read from (for messages). ``encoded`` counts tower runs (cache misses)."""
+    """vision: the tower + projector, or None on a rank that does not hold them (then ``cfg`` gives their config
+    and ``features`` serves only what another part of the program put in the cache); preprocess: the checkpoint's
+    preprocessing; placeholder_id: the token that holds an image row in a prompt (``<|media_pad|>``); dtype: the
+    tower's compute dtype (the text model's); source: where the tower was read from (for messages). ``encoded``
+    counts tower runs (cache misses)."""
 
-    def __init__(self, vision: VisionModel, preprocess: VisionPreprocessConfig, placeholder_id: int,
-                 dtype: mx.Dtype = mx.float32, source: str = "", cache_bytes: int = DEFAULT_CACHE_BYTES):
+    def __init__(self, vision: Optional[VisionModel], preprocess: VisionPreprocessConfig, placeholder_id: int,
+                 dtype: mx.Dtype = mx.float32, source: str = "", cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 cfg: Optional[VisionConfig] = None):
+        if vision is None and cfg is None:
+            raise ValueError("ImageEncoder: give the vision model, or its config on a rank that does not hold it")
+        self.cfg = vision.cfg if vision is not None else cfg
         self.vision, self.preprocess, self.placeholder_id = vision, preprocess, placeholder_id
         self.dtype, self.source, self.cache_bytes = dtype, source, cache_bytes
         self._cache: OrderedDict[str, mx.array] = OrderedDict()
@@ -35,13 +44,15 @@ class ImageEncoder:
 
     @property
     def hidden_size(self) -> int:
-        return self.vision.cfg.text_hidden_size
+        return self.cfg.text_hidden_size
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the tower's and projector's weights."""
+        """Bytes of the tower's and projector's weights held here (0 without them)."""
         from mlx.utils import tree_flatten
 
+        if self.vision is None:
+            return 0
         return sum(v.nbytes for _, v in tree_flatten(self.vision.parameters()))
 
     def prepare(self, image: ImageLike | PromptImage) -> PromptImage:
@@ -60,6 +71,9 @@ class ImageEncoder:
         if hit is not None:
             self._cache.move_to_end(image.digest)
             return hit
+        if self.vision is None:
+            raise ValueError(f"image {image.digest}: this process holds no vision tower ({self.source}); its "
+                             "features come from the rank that does")
         if image.pixels is None:
             raise ValueError(f"image {image.digest}: not in the feature cache and its pixels are not here")
         px = image.pixels

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,10 +56,15 @@ def _vision_files(path: Path) -> list[Path]:
     return files
 
 
-def load_vision_weights(model: VisionModel, weights: dict[str, mx.array], dtype=None) -> None:
+def load_vision_weights(model: VisionModel, weights: dict[str, mx.array], dtype=None,
+                        quantization: Optional[dict] = None) -> None:
     """Strict: every vision tensor present once with the expected shape; a missing, extra or misshaped one is an
-    error naming it. ``weights`` holds HF names; entries outside vision_tower./mm_projector. are ignored."""
+    error naming it. ``weights`` holds HF names; entries outside vision_tower./mm_projector. are ignored.
+    MLX-quantized modules (``<module>.scales`` present, as mlx-vlm's convert writes the projector) are made
+    quantized first with ``quantization`` (mlx-lm's entry: ``group_size``, ``bits``, ``mode``, per-module
+    overrides). Float tensors are cast to ``dtype`` (default float32)."""
     weights = VisionModel.sanitize({k: v for k, v in weights.items() if k.startswith(PREFIXES)})
+    _quantize_stored(model, weights, quantization)
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     if missing:
@@ -73,8 +79,33 @@ def load_vision_weights(model: VisionModel, weights: dict[str, mx.array], dtype=
             raise ValueError(f"vision checkpoint: tensor {name} has shape {tuple(weights[name].shape)}; "
                              f"expected {tuple(want.shape)} (after layout conversion)")
     dt = dtype if dtype is not None else mx.float32
-    model.load_weights([(k, v.astype(dt)) for k, v in weights.items()], strict=True)
+    model.load_weights([(k, v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v)
+                        for k, v in weights.items()], strict=True)
     mx.eval(model.parameters())
+
+
+def _quantize_stored(model: VisionModel, weights: dict[str, mx.array], quantization: Optional[dict]) -> None:
+    """Quantize the modules whose ``.scales`` the checkpoint holds, as ``quantization`` says."""
+    paths = sorted(k[: -len(".scales")] for k in weights if k.endswith(".scales"))
+    if not paths:
+        return
+    if not quantization:
+        raise ValueError(f"vision checkpoint: tensor {paths[0]}.scales is MLX-quantized but config.json has no "
+                         "'quantization' entry (group_size, bits) to read it with")
+    modules = dict(model.named_modules())
+    for path in paths:
+        if not hasattr(modules.get(path), "to_quantized"):
+            raise ValueError(f"vision checkpoint: unexpected tensor {path}.scales ({path} is not a quantizable "
+                             "Linear of the tower or projector)")
+
+    def spec(path: str, module: nn.Module):
+        if path not in paths:
+            return False
+        override = quantization.get(path)
+        return override if isinstance(override, dict) else True
+
+    nn.quantize(model, group_size=quantization.get("group_size", 64), bits=quantization.get("bits", 4),
+                mode=quantization.get("mode", "affine"), class_predicate=spec)
 
 
 def has_vision(path: str | Path) -> bool:
@@ -83,9 +114,10 @@ def has_vision(path: str | Path) -> bool:
     return "vision_config" in json.loads((Path(path) / "config.json").read_text())
 
 
-def load_vision(path: str | Path, dtype=None) -> VisionModel:
+def load_vision(path: str | Path, dtype=None, quantization: Optional[dict] = None) -> VisionModel:
     """Vision tower + projector of the HF Kimi-K3 directory ``path`` (config.json's ``vision_config`` and the
-    ``vision_tower.*`` / ``mm_projector.*`` tensors), strict; weights cast to ``dtype`` (default float32)."""
+    ``vision_tower.*`` / ``mm_projector.*`` tensors), strict; float weights cast to ``dtype`` (default float32);
+    ``quantization``: the checkpoint's mlx-lm entry, for MLX-quantized vision modules."""
     path = Path(path)
     cfg = VisionConfig.from_hf(json.loads((path / "config.json").read_text()), source=str(path / "config.json"))
     model = VisionModel(cfg)
@@ -96,5 +128,5 @@ def load_vision(path: str | Path, dtype=None) -> VisionModel:
                 if k in weights:
                     raise ValueError(f"vision checkpoint: tensor {k} appears in more than one file")
                 weights[k] = v
-    load_vision_weights(model, weights, dtype)
+    load_vision_weights(model, weights, dtype, quantization)
     return model

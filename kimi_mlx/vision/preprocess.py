@@ -133,6 +133,22 @@ class VisionPreprocessConfig:
         )
 
 
+    def to_hf(self) -> dict:
+        """``preprocessor_config.json`` content (``media_proc_cfg``, released layout) that ``from_dict`` reads back."""
+        bg = self.transparent_bg
+        cfg = {
+            "patch_size": self.patch_size, "in_patch_limit": self.in_patch_limit,
+            "patch_limit_on_one_side": self.patch_limit_on_one_side, "merge_kernel_size": list(self.merge_kernel_size),
+            "image_mean": list(self.image_mean), "image_std": list(self.image_std),
+            "transparent_bg_config": None if bg is None else {
+                "pattern": bg.pattern, "chessboard_square_size": bg.square_size,
+                "chessboard_square_on_top_left": bg.square_on_top_left, "chessboard_white_value": bg.white_value,
+                "chessboard_gray_value": bg.gray_value},
+            "transparent_bg_fill_stage": self.transparent_bg_fill_stage,
+        }
+        return {"media_proc_cfg": cfg}
+
+
 def _is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
