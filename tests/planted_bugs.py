@@ -801,6 +801,13 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/image_prompt.py", "for i in np.unique(owners).tolist():", "for i in np.unique(owners).tolist()[::-1]:"),),
         ("tests/test_vision_chat_logits.py::test_two_images_in_one_message_match_mlx_vlm",),
     ),
+    # -- K3 vision: serving
+    PlantedBug(
+        "server: the prefix cache keyed by placeholder ids only (two images of one size share an entry)",
+        (("kimi_mlx/server/scheduler.py", "    return rows.key(tokens) if rows is not None else list(tokens)\n",
+          "    return list(tokens)\n"),),
+        ("tests/test_server_image_cache.py::test_different_images_never_share_an_entry",),
+    ),
 )
 
 
