@@ -4,9 +4,10 @@ A conversation's content blocks map onto the chat format's messages: ``system`` 
 blocks -> content, ``thinking`` blocks -> the assistant's reasoning (K3 keeps it in the history), ``tool_use``
 blocks -> the assistant's tool calls (``input`` as the arguments), ``tool_result`` blocks -> tool messages
 answering ``tool_use_id``, ``image`` blocks (user messages; ``base64`` sources, ``url`` ones with
-``--allow-image-urls``) -> image parts (``kimi_mlx.server.images``; ``input_tokens`` counts their placeholders). Replies come back as ``thinking`` (K3 reasoning), ``text`` and ``tool_use`` blocks;
-``stop_reason`` is ``end_turn``, ``max_tokens``, ``stop_sequence`` or ``tool_use``; ``usage.input_tokens`` counts
-the prompt tokens not read from the prefix cache, ``cache_read_input_tokens`` those that were.
+``--allow-image-urls``) -> image parts (``kimi_mlx.server.images``; ``input_tokens`` counts their placeholders).
+Replies come back as ``thinking`` (K3 reasoning), ``text`` and ``tool_use`` blocks; ``stop_reason`` is
+``end_turn``, ``max_tokens``, ``stop_sequence`` or ``tool_use``; ``usage.input_tokens`` counts the prompt tokens not
+read from the prefix cache, ``cache_read_input_tokens`` those that were.
 
 Streaming sends the documented events: ``message_start``, then per block ``content_block_start``,
 ``content_block_delta`` (``thinking_delta`` / ``text_delta`` / ``input_json_delta``), ``content_block_stop``,

@@ -83,26 +83,22 @@ async def prepare_images(refs: list[ImageRef], encoder: Any, limits: ImageLimits
     loop = asyncio.get_running_loop()
     out = []
     for ref in refs:
-        raw, declared = await _read(ref, limits)
-        out.append(await loop.run_in_executor(_worker, _prepare, raw, declared, ref.param, encoder, limits))
+        fetched = await _fetch(ref, limits) if _scheme(ref.url) in ("http", "https") else None
+        out.append(await loop.run_in_executor(_worker, _prepare, ref, fetched, encoder, limits))
     return out
 
 
-async def _read(ref: ImageRef, limits: ImageLimits) -> tuple[bytes, Optional[str]]:
-    """(the encoded image, the media type the client declared; None: not declared or not binding)."""
-    if ref.data is not None:
-        return _base64(ref.data, ref.param, limits), ref.media_type
-    scheme = ref.url.split(":", 1)[0].lower() if ":" in ref.url else ""
-    if scheme == "data":
-        return _data_url(ref.url, ref.param, limits), None
-    if scheme not in ("http", "https"):
-        raise ApiError(400, f"{ref.param}: the image URL must be a data: URL (data:image/png;base64,...) or, when "
-                            f"the server allows it, http(s); got {ref.url[:40]!r}", ref.param)
+def _scheme(url: Optional[str]) -> str:
+    return url.split(":", 1)[0].lower() if url is not None and ":" in url else ""
+
+
+async def _fetch(ref: ImageRef, limits: ImageLimits) -> bytes:
+    """The image at ``ref.url`` (http or https), when the server fetches URLs."""
     if not limits.allow_urls:
         raise ApiError(400, f"{ref.param}: this server does not fetch image URLs (start it with --allow-image-urls); "
                             "send the image inline as a data: URL (data:image/png;base64,...)", ref.param)
     try:
-        return await asyncio.wait_for(asyncio.to_thread(fetch, ref.url, limits), limits.url_timeout_s), None
+        return await asyncio.wait_for(asyncio.to_thread(fetch, ref.url, limits), limits.url_timeout_s)
     except (TimeoutError, asyncio.TimeoutError):
         raise ApiError(400, f"{ref.param}: fetching the image took longer than {limits.url_timeout_s:g} s",
                        ref.param) from None
@@ -110,7 +106,20 @@ async def _read(ref: ImageRef, limits: ImageLimits) -> tuple[bytes, Optional[str
         raise ApiError(400, f"{ref.param}: {e}", ref.param) from None
 
 
+def _inline(ref: ImageRef, limits: ImageLimits) -> tuple[bytes, Optional[str]]:
+    """(the encoded image of a base64 source or data: URL, the media type the client declared: binding for an
+    Anthropic source, None for a data URL)."""
+    if ref.data is not None:
+        return _base64(ref.data, ref.param, limits), ref.media_type
+    if _scheme(ref.url) != "data":
+        raise ApiError(400, f"{ref.param}: the image URL must be a data: URL (data:image/png;base64,...) or, when "
+                            f"the server allows it, http(s); got {ref.url[:40]!r}", ref.param)
+    return _data_url(ref.url, ref.param, limits), None
+
+
 def _base64(text: str, param: str, limits: ImageLimits) -> bytes:
+    """Base64 text (line breaks and spaces allowed) -> bytes, within ``limits.max_bytes``."""
+    text = "".join(text.split())
     if len(text) // 4 * 3 > limits.max_bytes + 2:
         raise ApiError(400, f"{param}: the image is over {_mb(limits.max_bytes)} (--max-image-mb)", param)
     try:
@@ -177,9 +186,11 @@ def fetch(url: str, limits: ImageLimits) -> bytes:
     return b"".join(chunks)
 
 
-def _prepare(raw: bytes, declared: Optional[str], param: str, encoder: Any, limits: ImageLimits) -> PromptImage:
-    """Check the header (format, frames, pixels; ``declared`` media type, when binding), then decode and
-    preprocess (on the image worker)."""
+def _prepare(ref: ImageRef, fetched: Optional[bytes], encoder: Any, limits: ImageLimits) -> PromptImage:
+    """The image (``fetched``, else inline in ``ref``): header checks (format, the declared media type when binding,
+    pixels, frames), then decoded and preprocessed. Runs on the image worker."""
+    raw, declared = (fetched, None) if fetched is not None else _inline(ref, limits)
+    param = ref.param
     if len(raw) > limits.max_bytes:
         raise ApiError(400, f"{param}: the image is over {_mb(limits.max_bytes)} (--max-image-mb)", param)
     image = _open(raw, param)
