@@ -97,7 +97,7 @@ CORPUS = [
     ("random bytes", "/v1/chat/completions", _oai(_url(np.random.default_rng(1).bytes(3000))),
      "messages[0].content[0]", "not a readable PNG, JPEG, GIF or WebP image"),
     ("truncated PNG", "/v1/chat/completions", _oai(_url(GOOD[: len(GOOD) // 2])), "messages[0].content[0]",
-     "PNG image does not decode"),
+     "PNG image does not decode: PIL image is not readable (OSError: image file is truncated"),
     ("truncated JPEG", "/v1/chat/completions", _oai(_url(_encode(_noise(64, 48), "JPEG")[:900], "image/jpeg")),
      "messages[0].content[0]", "JPEG image does not decode"),
     ("truncated WebP", "/v1/chat/completions", _oai(_url(_encode(_noise(64, 48), "WEBP")[:600], "image/webp")),

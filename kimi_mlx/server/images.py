@@ -208,8 +208,8 @@ def _prepare(ref: ImageRef, fetched: Optional[bytes], encoder: Any, limits: Imag
             raise ApiError(400, f"{param}: an animated image ({frames} frames); send a still image", param)
         return encoder.prepare(image)
     except DECODE_ERRORS as e:
-        raise ApiError(400, f"{param}: the {image.format} image does not decode ({type(e).__name__}: "
-                            f"{str(e)[:200]})", param) from None
+        why = str(e)[:200] if isinstance(e, ValueError) else f"{type(e).__name__}: {str(e)[:200]}"
+        raise ApiError(400, f"{param}: the {image.format} image does not decode: {why}", param) from None
 
 
 def _open(raw: bytes, param: str) -> Image.Image:
