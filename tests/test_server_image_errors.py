@@ -122,7 +122,7 @@ CORPUS = [
     ("animated GIF", "/v1/chat/completions", _oai(_url(_animated_gif(), "image/gif")), "messages[0].content[0]",
      "an animated image (3 frames)"),
     ("4 images, 3 allowed", "/v1/chat/completions", _oai(*[_url(GOOD)] * 4), "messages[0].content[3]",
-     "4 images in the request; this server takes at most 3 (--max-images-per-request)"),
+     "the request holds 4 image(s); this server takes at most 3 per request (--max-images-per-request)"),
     ("http URL", "/v1/chat/completions", _oai("http://127.0.0.1:9/cat.png", before=TURNS), "messages[2].content[0]",
      "start it with --allow-image-urls"),
     ("file URL", "/v1/chat/completions", _oai("file:///etc/passwd"), "messages[0].content[0]",

@@ -78,8 +78,8 @@ async def prepare_images(refs: list[ImageRef], encoder: Any, limits: ImageLimits
         raise ApiError(400, f"{refs[0].param}: this model takes no images ({no_images})", refs[0].param)
     if len(refs) > limits.max_images:
         param = refs[limits.max_images].param
-        raise ApiError(400, f"{param}: {len(refs)} images in the request; this server takes at most "
-                            f"{limits.max_images} (--max-images-per-request)", param)
+        raise ApiError(400, f"{param}: the request holds {len(refs)} image(s); this server takes at most "
+                            f"{limits.max_images} per request (--max-images-per-request)", param)
     loop = asyncio.get_running_loop()
     out = []
     for ref in refs:
