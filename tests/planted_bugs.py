@@ -459,7 +459,7 @@ BUGS: tuple[PlantedBug, ...] = (
     # -- server: the serving engine and its APIs
     PlantedBug(
         "scheduler: the reply snapshot claims the last generated token (never fed to the cache)",
-        (("kimi_mlx/server/scheduler.py", "r.request.tokens + r.generated[:-1]", "r.request.tokens + r.generated"),),
+        (("kimi_mlx/server/scheduler.py", "r.key + r.generated[:-1]", "r.key + r.generated"),),
         ("tests/test_server_scheduler.py::test_conversation_resumes_from_snapshots_with_cold_logits",),
     ),
     PlantedBug(
@@ -485,8 +485,8 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "serve: usage reports no cached prompt tokens",
-        (("kimi_mlx/server/openai_routes.py", '"prompt_tokens_details": {"cached_tokens": gen.cached_tokens}',
-          '"prompt_tokens_details": {"cached_tokens": 0}'),),
+        (("kimi_mlx/server/openai_routes.py", 'details = {"cached_tokens": gen.cached_tokens}',
+          'details = {"cached_tokens": 0}'),),
         ("tests/test_server_api.py::test_chat_whole_and_streamed_equal_greedy",),
     ),
     PlantedBug(
@@ -834,6 +834,20 @@ BUGS: tuple[PlantedBug, ...] = (
           'tower_norm_eps=_positive_float(g, key + "attention.layer_norm_epsilon"),'),),
         ("tests/test_vision_loading.py::test_mmproj_tower_equals_the_hf_tower",
          "tests/test_vision_loading.py::test_k3_gguf_with_mmproj_matches_mlx_vlm"),
+    ),
+    # -- K3 vision: serving
+    PlantedBug(
+        "server: the prefix cache keyed by placeholder ids only (two images of one size share an entry)",
+        (("kimi_mlx/server/scheduler.py", "    return rows.key(tokens) if rows is not None else list(tokens)\n",
+          "    return list(tokens)\n"),),
+        ("tests/test_server_image_cache.py::test_different_images_never_share_an_entry",
+         "tests/test_server_images.py::test_different_images_never_share_a_cache_entry"),
+    ),
+    PlantedBug(
+        "server: an Anthropic image's media_type is not checked against its bytes",
+        (("kimi_mlx/server/images.py", "    if declared is not None and declared != media_type:\n",
+          "    if declared is not None and declared != media_type and False:\n"),),
+        ("tests/test_server_image_errors.py::test_malformed_image_is_a_400_naming_the_part",),
     ),
 )
 

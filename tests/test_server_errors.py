@@ -66,9 +66,16 @@ CASES = [
      chat(messages=[*MSG, {"role": "tool", "content": "22C"}]), AUTH, 400, "messages[1].tool_call_id"),
     ("content a number", "/chat/completions", chat(messages=[{"role": "user", "content": 5}]), AUTH, 400,
      "messages[0].content"),
-    ("image part", "/chat/completions",
-     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), AUTH, 400,
-     "messages[0].content"),
+    ("image to a text-only model", "/chat/completions",
+     chat(messages=[{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                 {"type": "image_url", "image_url": {"url": "x"}}]}]), AUTH, 400,
+     "messages[0].content[1]"),
+    ("image part without its url", "/chat/completions",
+     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), AUTH, 400,
+     "messages[0].content[0]"),
+    ("audio part", "/chat/completions",
+     chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]), AUTH, 400,
+     "messages[0].content[0]"),
     ("tool calls on a user message", "/chat/completions",
      chat(messages=[{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]), AUTH, 400,
      "messages[0].tool_calls"),
@@ -161,6 +168,18 @@ def test_bad_request(server, name, path, body, headers, status, param):
         assert err["error"]["type"] and err["error"]["param"] == param
     assert err["error"]["message"].startswith(param or "")
     assert httpx.get(server.url + "/models", headers=AUTH).status_code == 200  # still serving
+
+
+def test_text_only_model_refuses_images(server):
+    """An image for a model without a vision tower: a 400 that says so, in either API."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    r = httpx.post(server.url + "/chat/completions", headers=AUTH,
+                   json=chat(messages=[{"role": "user", "content": [image]}]))
+    assert r.status_code == 400 and "this model takes no images (Kimi Linear is a text-only model" in r.text, r.text
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    r = httpx.post(server.url + "/messages", headers=AUTH, json=anth(messages=[{"role": "user", "content": [block]}]))
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages[0].content[0]: this model "
+                                                                             "takes no images"), r.text
 
 
 def test_explicit_nulls_are_defaults(server):

@@ -73,19 +73,37 @@ def add_parser(commands) -> None:
     p.add_argument("--max-kv-size", type=int, default=1 << 20, metavar="N",
                    help="most tokens one request may hold, prompt + reply (default: 1048576, Kimi's context)")
     p.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB", help="largest request body")
+    _add_image_args(p)
     p.set_defaults(run=run)
+
+
+def _add_image_args(p: argparse.ArgumentParser) -> None:
+    """The limits on images in requests (models with a vision tower)."""
+    p.add_argument("--max-image-pixels", type=int, default=1 << 25, metavar="N",
+                   help="largest image (width x height, read from its header before decoding; default 33554432)")
+    p.add_argument("--max-images-per-request", type=int, default=16, metavar="N", help="most images in one request")
+    p.add_argument("--max-image-mb", type=float, default=20.0, metavar="MB",
+                   help="largest image file (inline or fetched)")
+    p.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs (default: only inline data: URLs / base64 images are taken)")
+    p.add_argument("--image-url-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds allowed for fetching one image URL (with --allow-image-urls)")
 
 
 def _check(args: argparse.Namespace) -> None:
     for flag, value, low in (("--port", args.port, 0), ("--max-batch", args.max_batch, 1),
                              ("--max-queue", args.max_queue, 0), ("--checkpoint-interval", args.checkpoint_interval, 0),
-                             ("--prefill-chunk", args.prefill_chunk, 1), ("--max-kv-size", args.max_kv_size, 2)):
+                             ("--prefill-chunk", args.prefill_chunk, 1), ("--max-kv-size", args.max_kv_size, 2),
+                             ("--max-image-pixels", args.max_image_pixels, 1),
+                             ("--max-images-per-request", args.max_images_per_request, 0)):
         if value < low:
             raise ValueError(f"{flag} {value}: must be >= {low}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
-    if not 0 < args.max_body_mb:
-        raise ValueError(f"--max-body-mb {args.max_body_mb}: must be > 0")
+    for flag, value in (("--max-body-mb", args.max_body_mb), ("--max-image-mb", args.max_image_mb),
+                        ("--image-url-timeout", args.image_url_timeout)):
+        if not 0 < value:
+            raise ValueError(f"{flag} {value}: must be > 0")
     if args.parallel and args.adapter_path:
         raise ValueError("--adapter-path with --parallel is not supported; merge the adapter first (kimi-mlx fuse)")
 
@@ -166,6 +184,7 @@ def _serve(args: argparse.Namespace, group) -> int:
 
     from ..server.app import create_app
     from ..server.backend import Backend, Defaults
+    from ..server.images import ImageLimits
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
@@ -182,13 +201,17 @@ def _serve(args: argparse.Namespace, group) -> int:
         defaults = Defaults(max_tokens=args.max_tokens, sampling=parts.sampling, thinking=args.think,
                             thinking_effort=args.effort, system=args.system)
         vocab = min(len(parts.tokenizer), parts.model.args.vocab_size)
+        limits = ImageLimits(args.max_image_pixels, args.max_images_per_request, int(args.max_image_mb * 2**20),
+                             args.allow_image_urls, args.image_url_timeout)
+        encoder = getattr(parts.model, "image_encoder", None)
         backend = Backend(parts.scheduler.start(), parts.tokenizer, parts.chat_format, vocab, args.max_kv_size,
-                          defaults)
+                          defaults, encoder, getattr(parts.model, "no_images_reason", "no vision tower"), limits)
         weights = sum(v.nbytes for _, v in tree_flatten(parts.model.parameters())) / 1e9
         log.info(f"kimi-mlx serve: {url} | model {model_id} ({parts.chat_format} format) | weights {weights:.3g} GB, "
                  f"memory in use {mx.get_active_memory() / 1e9:.2f} GB, prompt cache up to "
                  f"{parts.prompt_cache_bytes / 1e9:.2f} GB "
-                 f"| max batch {args.max_batch}" + (" | API key required" if args.api_key else ""))
+                 f"| max batch {args.max_batch}" + (" | API key required" if args.api_key else "")
+                 + (" | images" + (" and image URLs" if args.allow_image_urls else "") if encoder else ""))
         return backend
 
     def load_failed(e: BaseException) -> None:

@@ -3,9 +3,11 @@
 A conversation's content blocks map onto the chat format's messages: ``system`` -> a system message, ``text``
 blocks -> content, ``thinking`` blocks -> the assistant's reasoning (K3 keeps it in the history), ``tool_use``
 blocks -> the assistant's tool calls (``input`` as the arguments), ``tool_result`` blocks -> tool messages
-answering ``tool_use_id``. Replies come back as ``thinking`` (K3 reasoning), ``text`` and ``tool_use`` blocks;
-``stop_reason`` is ``end_turn``, ``max_tokens``, ``stop_sequence`` or ``tool_use``; ``usage.input_tokens`` counts
-the prompt tokens not read from the prefix cache, ``cache_read_input_tokens`` those that were.
+answering ``tool_use_id``, ``image`` blocks (user messages; ``base64`` sources, ``url`` ones with
+``--allow-image-urls``) -> image parts (``kimi_mlx.server.images``; ``input_tokens`` counts their placeholders).
+Replies come back as ``thinking`` (K3 reasoning), ``text`` and ``tool_use`` blocks; ``stop_reason`` is
+``end_turn``, ``max_tokens``, ``stop_sequence`` or ``tool_use``; ``usage.input_tokens`` counts the prompt tokens not
+read from the prefix cache, ``cache_read_input_tokens`` those that were.
 
 Streaming sends the documented events: ``message_start``, then per block ``content_block_start``,
 ``content_block_delta`` (``thinking_delta`` / ``text_delta`` / ``input_json_delta``), ``content_block_stop``,
@@ -30,6 +32,7 @@ from .backend import (Backend, Prompt, choose_tools, reasoning_budget, reply_bud
                       sampling_params, sse_data, sse_response, stop_ids, submit, watch_disconnect, with_keepalive)
 from .errors import GENERATION_FAILED, ApiError
 from .generation import Generation
+from .images import ImageRef, prepare_images
 from .schemas import CountTokensRequest, MessagesRequest, parse, request_body
 
 router = APIRouter()
@@ -40,13 +43,43 @@ def _tool_result_text(block: dict) -> str:
     return content if isinstance(content, str) else "".join(b["text"] for b in content)
 
 
-def _messages(req) -> list[dict]:
-    """The request's system prompt and messages as the chat renderer's message dicts."""
+def _image_refs(req) -> list[ImageRef]:
+    """The request's image blocks, in order."""
+    refs = []
+    for i, m in enumerate(req.messages):
+        for j, b in enumerate(m.content):
+            if b["type"] == "image":
+                src = b["source"]
+                refs.append(ImageRef(f"messages[{i}].content[{j}]", url=src.get("url"), data=src.get("data"),
+                                     media_type=src.get("media_type")))
+    return refs
+
+
+def _user_content(blocks: list[dict], images) -> str | list[dict]:
+    """A user message's text and image blocks as the renderer's content: the text (blocks joined), or with images
+    a list of parts, each run of text blocks joined and each image block the next of ``images`` (an iterator over
+    the request's prepared images)."""
+    if not any(b["type"] == "image" for b in blocks):
+        return "".join(b["text"] for b in blocks if b["type"] == "text")
+    parts: list[dict] = []
+    for b in blocks:
+        if b["type"] == "image":
+            parts.append({"type": "image", "image": next(images)})
+        elif b["type"] == "text" and parts and parts[-1]["type"] == "text":
+            parts[-1] = {"type": "text", "text": parts[-1]["text"] + b["text"]}
+        elif b["type"] == "text":
+            parts.append({"type": "text", "text": b["text"]})
+    return parts
+
+
+def _messages(req, images: list) -> list[dict]:
+    """The request's system prompt and messages as the chat renderer's message dicts (``images``: the request's
+    prepared images, in order)."""
     out: list[dict] = [{"role": "system", "content": req.system}] if req.system else []
+    placed = iter(images)
     for m in req.messages:
-        text = "".join(b["text"] for b in m.content if b["type"] == "text")
         if m.role == "assistant":
-            msg: dict = {"role": "assistant", "content": text}
+            msg: dict = {"role": "assistant", "content": "".join(b["text"] for b in m.content if b["type"] == "text")}
             reasoning = "".join(b["thinking"] for b in m.content if b["type"] == "thinking")
             if reasoning:
                 msg["reasoning_content"] = reasoning
@@ -58,12 +91,13 @@ def _messages(req) -> list[dict]:
             continue
         results = [b for b in m.content if b["type"] == "tool_result"]
         out += [{"role": "tool", "tool_call_id": b["tool_use_id"], "content": _tool_result_text(b)} for b in results]
-        if text or not results:
-            out.append({"role": "user", "content": text})
+        content = _user_content(m.content, placed)
+        if content or not results:
+            out.append({"role": "user", "content": content})
     return out
 
 
-def _prompt(backend: Backend, req) -> Prompt:
+async def _prompt(backend: Backend, req) -> Prompt:
     on = None if req.thinking is None else req.thinking.type != "disabled"
     thinking, effort = resolve_thinking(backend, on, None, "thinking")
     tools = [{"type": "function", "function": {k: v for k, v in (("name", t.name), ("description", t.description),
@@ -74,8 +108,9 @@ def _prompt(backend: Backend, req) -> Prompt:
     if kind == "function" and not choice.name:
         raise ApiError(400, "tool_choice.name: required for type 'tool'", "tool_choice.name")
     tools, kind = choose_tools(backend, tools, kind, choice.name if choice else None, "tool_choice")
-    return render_prompt(backend, _messages(req), tools=tools, thinking=thinking, thinking_effort=effort,
-                         tool_choice=kind)
+    images = await prepare_images(_image_refs(req), backend.image_encoder, backend.image_limits, backend.no_images)
+    return render_prompt(backend, _messages(req, images), tools=tools, thinking=thinking, thinking_effort=effort,
+                         tool_choice=kind, images=images)
 
 
 def _usage(gen: Generation) -> dict:
@@ -104,7 +139,7 @@ async def messages(request: Request):
     backend = state.ready()
     req = parse(MessagesRequest, body)
     state.check_model(req.model)
-    prompt = _prompt(backend, req)
+    prompt = await _prompt(backend, req)
     max_tokens = reply_budget(backend, len(prompt.tokens), req.max_tokens, "max_tokens", "messages")
     sampling = sampling_params(backend, {"temp": req.temperature, "top_p": req.top_p, "top_k": req.top_k})
     budget = reasoning_budget(backend, prompt, req.thinking.budget_tokens if req.thinking else None)
@@ -246,4 +281,4 @@ async def count_tokens(request: Request):
     backend = state.ready()
     req = parse(CountTokensRequest, body)
     state.check_model(req.model)
-    return {"input_tokens": len(_prompt(backend, req).tokens)}
+    return {"input_tokens": len((await _prompt(backend, req)).tokens)}

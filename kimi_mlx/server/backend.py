@@ -21,6 +21,7 @@ from ..chat.format_k3 import XTML_MARKERS, close_tag, open_tag
 from ..chat.tool_ids import in_call_order
 from ..sampling import SamplingParams
 from .errors import ApiError
+from .images import ImageLimits
 from .scheduler import EngineStoppedError, GenerationRequest, QueueFullError, ReasoningBudget, RequestStream
 
 THINKING_EFFORTS = ("low", "high", "max")
@@ -43,7 +44,8 @@ class Defaults:
 class Backend:
     """The loaded model behind the routes: its scheduler (running), tokenizer (mlx-lm ``TokenizerWrapper``), chat
     format, the token ids a request may use (``0 <= id < vocab_size``), the most tokens a request may hold (prompt +
-    reply, ``max_context``) and the defaults."""
+    reply, ``max_context``), the defaults, and images: the model's ``image_encoder`` (None: it takes no images,
+    ``no_images`` says why) and the server's ``image_limits``."""
 
     scheduler: Any
     tokenizer: Any
@@ -51,17 +53,22 @@ class Backend:
     vocab_size: int
     max_context: int
     defaults: Defaults = field(default_factory=Defaults)
+    image_encoder: Any = None
+    no_images: str = "this model has no vision tower"
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
 
 
 @dataclass
 class Prompt:
     """A rendered prompt: ``tokens``, message ends (``boundaries``) and the end of the system part
-    (``system_end``, 0: none), and ``thinking`` as rendered (for the reply parser; None for plain completions)."""
+    (``system_end``, 0: none), ``thinking`` as rendered (for the reply parser; None for plain completions) and the
+    ``images`` (``PromptImage``s) whose placeholders ``tokens`` holds, in order."""
 
     tokens: list[int]
     boundaries: tuple[int, ...] = ()
     system_end: int = 0
     thinking: Optional[bool] = None
+    images: tuple = ()
 
 
 def resolve_thinking(backend: Backend, thinking: Optional[bool], effort: Optional[str], param: str
@@ -81,8 +88,10 @@ def resolve_thinking(backend: Backend, thinking: Optional[bool], effort: Optiona
 
 def render_prompt(backend: Backend, messages: list[dict], *, tools: Optional[list] = None,
                   thinking: Optional[bool] = None, thinking_effort: Optional[str] = None,
-                  tool_choice: Optional[str] = None, response_format: Any = None) -> Prompt:
+                  tool_choice: Optional[str] = None, response_format: Any = None, images: Sequence = ()) -> Prompt:
     """Render a conversation (OpenAI-style message dicts, see ``kimi_mlx.chat.format``) with the generation prompt.
+    ``images``: the prepared images of the messages' ``{"type": "image", "image": PromptImage}`` parts, in message
+    order (they render as K3's media sequences).
 
     Boundaries are the token positions where each message begins after the first (= where the one before it
     ends) and where the last one ends; ``system_end`` is where the first non-system message begins (the tool
@@ -105,16 +114,21 @@ def render_prompt(backend: Backend, messages: list[dict], *, tools: Optional[lis
     first = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
     system_end = starts[first] or 0
     boundaries = tuple(sorted({s for s in starts[1:] if s}))
-    return Prompt(tokens, boundaries, system_end, thinking)
+    return Prompt(tokens, boundaries, system_end, thinking, tuple(images))
 
 
 def check_tokens(backend: Backend, tokens: Sequence[int], param: str) -> None:
-    """A non-empty prompt of ids inside the vocabulary (ApiError naming ``param``)."""
+    """A non-empty prompt of ids inside the vocabulary, without image placeholders (a prompt without images;
+    ApiError naming ``param``)."""
     if not tokens:
         raise ApiError(400, f"{param}: the prompt is empty", param)
     bad = next((t for t in tokens if not 0 <= t < backend.vocab_size), None)
     if bad is not None:
         raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary (0..{backend.vocab_size - 1})", param)
+    pad = backend.image_encoder.placeholder_id if backend.image_encoder is not None else None
+    if pad is not None and pad in tokens:
+        raise ApiError(400, f"{param}: token id {pad} is the image placeholder; images go in chat messages "
+                            "(/v1/chat/completions, /v1/messages)", param)
 
 
 def reply_budget(backend: Backend, prompt_tokens: int, max_tokens: Optional[int], param: str,
@@ -178,10 +192,12 @@ def submit(backend: Backend, prompt: Prompt, max_tokens: int, sampling: Sampling
     request = GenerationRequest(
         tokens=list(prompt.tokens), max_tokens=max_tokens, sampling=sampling,
         stop_token_ids=stop_ids(backend), top_logprobs=top_logprobs,
-        boundaries=prompt.boundaries, system_end=prompt.system_end, reasoning=reasoning,
+        boundaries=prompt.boundaries, system_end=prompt.system_end, reasoning=reasoning, images=prompt.images,
     )
     try:
         return backend.scheduler.submit(request)
+    except ValueError as e:  # images the model cannot take; the routes check them first
+        raise ApiError(400, str(e)) from None
     except QueueFullError as e:
         raise ApiError(429, str(e), code="rate_limit_exceeded",
                        headers={"Retry-After": str(max(1, round(e.retry_after)))}) from None

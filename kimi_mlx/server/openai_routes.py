@@ -7,7 +7,10 @@ Chat replies are parsed in the model's own format: reasoning comes back as ``rea
 prefix cache supplied. Kimi-K3 thinking: ``chat_template_kwargs`` ``thinking``/``enable_thinking`` (bool) and
 ``thinking_effort`` (low/high/max), or ``reasoning_effort`` (``none`` turns thinking off; ``minimal``/``low`` ->
 low, ``medium``/``high`` -> high, ``xhigh``/``max`` -> max: K3 knows low, high and max). Log-probabilities are
-reported within [``LOGPROB_FLOOR``, 0] (JSON has no -Infinity or NaN).
+reported within [``LOGPROB_FLOOR``, 0] (JSON has no -Infinity or NaN). Images: ``image_url`` parts of user messages
+(``data:`` URLs; ``http(s)`` with ``--allow-image-urls``; ``detail`` is accepted and ignored), read and prepared by
+``kimi_mlx.server.images``; ``usage.prompt_tokens`` counts their placeholder tokens (``cached_tokens`` those the
+prefix cache supplied; ``prompt_tokens_details.image_tokens`` all of them).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from .backend import (Backend, Prompt, check_tokens, choose_tools, reply_budget,
                       with_keepalive)
 from .errors import GENERATION_FAILED, ApiError
 from .generation import Generation
+from .images import ImageRef, prepare_images
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, parse, request_body
 
 router = APIRouter()
@@ -53,9 +57,14 @@ class _Reply:
 
 
 def _usage(gen: Generation) -> dict:
+    """Token counts; ``prompt_tokens`` includes the images' placeholders, ``prompt_tokens_details.image_tokens``
+    (requests with images) counts them."""
+    details = {"cached_tokens": gen.cached_tokens}
+    images = gen.stream.request.images
+    if images:
+        details["image_tokens"] = sum(im.num_tokens for im in images)
     return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens, "prompt_tokens_details": details}
 
 
 def _check_finish(gen: Generation) -> None:
@@ -115,9 +124,20 @@ async def get_model(request: Request, model_id: str):
 # ------------------------------------------------------------------------------------------------------- chat
 
 
-def _message(m: ChatMessage) -> dict:
-    """A request message as the chat renderer's dict (``developer`` is a system message)."""
-    out: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+def _image_refs(messages: list[ChatMessage]) -> list[ImageRef]:
+    """The ``image_url`` parts of the request's messages, in order."""
+    return [ImageRef(f"messages[{i}].content[{j}]", url=part["image_url"]["url"])
+            for i, m in enumerate(messages) if isinstance(m.content, list)
+            for j, part in enumerate(m.content) if part.get("type") == "image_url"]
+
+
+def _message(m: ChatMessage, images) -> dict:
+    """A request message as the chat renderer's dict (``developer`` is a system message); its ``image_url`` parts
+    become image parts holding the next of ``images`` (an iterator over the request's prepared images)."""
+    content = m.content
+    if isinstance(content, list):
+        content = [{"type": "image", "image": next(images)} if p.get("type") == "image_url" else p for p in content]
+    out: dict = {"role": "system" if m.role == "developer" else m.role, "content": content}
     if m.name:
         out["name"] = m.name
     if m.role == "tool":
@@ -148,7 +168,7 @@ def _thinking(backend: Backend, req: ChatCompletionRequest) -> tuple[Optional[bo
     return resolve_thinking(backend, thinking, effort, param)
 
 
-def _chat_prompt(backend: Backend, req: ChatCompletionRequest) -> Prompt:
+async def _chat_prompt(backend: Backend, req: ChatCompletionRequest) -> Prompt:
     thinking, effort = _thinking(backend, req)
     response_format = req.response_format.for_renderer() if req.response_format is not None else None
     if backend.chat_format == "kimi_linear" and response_format is not None:
@@ -158,9 +178,12 @@ def _chat_prompt(backend: Backend, req: ChatCompletionRequest) -> Prompt:
     choice = req.tool_choice
     name = choice["function"]["name"] if isinstance(choice, dict) else None
     tools, choice = choose_tools(backend, tools, "function" if name else choice, name, "tool_choice")
-    messages = [_message(m) for m in req.messages]
+    images = await prepare_images(_image_refs(req.messages), backend.image_encoder, backend.image_limits,
+                                  backend.no_images)
+    placed = iter(images)
+    messages = [_message(m, placed) for m in req.messages]
     return render_prompt(backend, messages, tools=tools, thinking=thinking, thinking_effort=effort,
-                         tool_choice=choice, response_format=response_format)
+                         tool_choice=choice, response_format=response_format, images=images)
 
 
 def _tool_call_json(call, index: int) -> dict:
@@ -181,7 +204,7 @@ async def chat_completions(request: Request):
     backend = state.ready()
     req = parse(ChatCompletionRequest, body)
     state.check_model(req.model)
-    prompt = _chat_prompt(backend, req)
+    prompt = await _chat_prompt(backend, req)
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = reply_budget(backend, len(prompt.tokens), req.max_completion_tokens or req.max_tokens,
                               limit_param, "messages")

@@ -15,6 +15,12 @@ One engine thread owns the model and the caches. Each loop turn it
 So running streams keep flowing while new prompts prefill in chunks. The scheduler deals in token ids only; text,
 stop strings and chat formats belong to the HTTP layer.
 
+Images: a request's prompt holds each image's placeholders and ``images`` its ``PromptImage``s (prepared, i.e.
+decoded and preprocessed, by the caller). A prefill chunk that overlaps placeholders goes in as embeddings with the
+image features in place (``ImageRows.embed``; features from ``model.image_encoder``, on this thread, cached by
+digest); a chunk may end inside an image. The prefix cache is keyed by ``ImageRows.key`` (each placeholder replaced
+by its image's content id), so two different images never share an entry and the same image re-sent resumes.
+
 Distributed (``group`` of a ``--parallel`` model): every rank runs the engine loop in lockstep; only rank 0 takes
 requests. Each turn starts with rank 0's plan (``_Plan``: requests admitted with their resolved seed and the prefix
 snapshot to start from, requests cancelled, snapshots evicted), broadcast as JSON; every decision that could differ
@@ -35,6 +41,7 @@ from typing import AsyncIterator, Iterator, Optional, Union
 import mlx.core as mx
 
 from ..cache import HybridCache, cache_from_snapshot, check_kv_quant, merge_caches
+from ..image_prompt import ImageRows, PromptImage
 from ..parallel import comm
 from ..sampling import SamplingParams
 from .prefix_cache import PrefixCache
@@ -62,8 +69,9 @@ class GenerationRequest:
     after one of them (it is reported). top_logprobs: None none, 0 the chosen token's, k also the k most likely.
     boundaries: prompt positions that end a message (snapshot points); system_end: end of the system prompt and
     tool declarations (a snapshot shared across conversations), 0 for none. reasoning: the reply's reasoning
-    budget (rank 0's tokens are every rank's, so only rank 0 keeps it). ``sampling.sampler`` is refused: each row
-    draws with its own key (``RowSampler``)."""
+    budget (rank 0's tokens are every rank's, so only rank 0 keeps it). images: the ``PromptImage``s whose
+    placeholders ``tokens`` holds, in prompt order. ``sampling.sampler`` is refused: each row draws with its own key
+    (``RowSampler``)."""
 
     tokens: list[int]
     max_tokens: int
@@ -73,6 +81,7 @@ class GenerationRequest:
     boundaries: tuple = ()
     system_end: int = 0
     reasoning: Optional[ReasoningBudget] = None
+    images: tuple = ()
 
     def __post_init__(self) -> None:
         if self.sampling.sampler is not None:
@@ -173,12 +182,19 @@ def _request_to_json(req: GenerationRequest) -> dict:
     d = {k: getattr(req, k) for k in ("tokens", "max_tokens", "top_logprobs", "boundaries", "system_end")}
     d["stop_token_ids"] = sorted(req.stop_token_ids)
     d["sampling"] = req.sampling.to_json()
+    d["images"] = [im.to_json() for im in req.images]
     return d
 
 
 def _request_from_json(d: dict) -> GenerationRequest:
     return GenerationRequest(d["tokens"], d["max_tokens"], SamplingParams.from_json(d["sampling"]),
-                             frozenset(d["stop_token_ids"]), d["top_logprobs"], tuple(d["boundaries"]), d["system_end"])
+                             frozenset(d["stop_token_ids"]), d["top_logprobs"], tuple(d["boundaries"]), d["system_end"],
+                             images=tuple(PromptImage.from_json(im) for im in d["images"]))
+
+
+def _cache_key(rows: Optional[ImageRows], tokens: list[int]) -> list[int]:
+    """``tokens`` as a prefix-cache key: each image placeholder replaced by its image's content id (``key_id``)."""
+    return rows.key(tokens) if rows is not None else list(tokens)
 
 
 @dataclass
@@ -197,12 +213,14 @@ class _Plan:
 
 @dataclass
 class _Row:
-    """A request inside the engine: its stream, its one-row cache while prefilling, its sampler, and where it is
-    in its reasoning budget."""
+    """A request inside the engine: its stream, its one-row cache while prefilling, its sampler, where it is in its
+    reasoning budget, its images' placeholders (``rows``) and its prompt as a prefix-cache key (``key``)."""
 
     id: int
     stream: RequestStream
     sampler: RowSampler
+    rows: Optional[ImageRows] = None
+    key: list = field(default_factory=list)  # the prompt with each placeholder as its image's key_id
     cache: Optional[HybridCache] = None
     done: int = 0  # prompt tokens in the cache (prefill progress)
     stops: dict = field(default_factory=dict)  # prompt position -> snapshot kind taken there
@@ -271,9 +289,11 @@ class Scheduler:
 
     # ---- any thread -------------------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> RequestStream:
-        """Queue ``request``; its events arrive on the returned stream. Raises QueueFullError when full."""
+        """Queue ``request``; its events arrive on the returned stream. Raises QueueFullError when full, ValueError
+        for images the model cannot take (no vision tower) or a prompt whose placeholders do not match its images."""
         if not self.leader:
             raise RuntimeError("requests go to rank 0")
+        self._image_rows(request)  # ValueError: images this model cannot take, or placeholders that do not match
         if self.failure is not None or self._stopping:
             raise EngineStoppedError(f"the engine is not running ({self.failure or 'stopped'})")
         waiting = len(self._inbox) + len(self._waiting) + len(self._running) - self.max_batch
@@ -313,9 +333,23 @@ class Scheduler:
 
     @property
     def stats(self) -> dict:
+        """Rows running / prefilling / queued, requests finished, the prefix cache's stats and ``images_encoded``
+        (vision tower runs; None without a tower)."""
+        encoder = getattr(self.model, "image_encoder", None)
         return {"running": len(self._running), "prefilling": len(self._waiting), "queued": len(self._inbox),
                 "finished": self._finished,
-                "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None}
+                "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None,
+                "images_encoded": encoder.encoded if encoder is not None else None}
+
+    def _image_rows(self, req: GenerationRequest) -> Optional[ImageRows]:
+        """``req``'s placeholders lined up with its images; None for a model without a vision tower (which takes
+        no images: ValueError if the request has some). ValueError when placeholders and images do not match."""
+        encoder = getattr(self.model, "image_encoder", None)
+        if encoder is None:
+            if req.images:
+                raise ValueError(getattr(self.model, "no_images_reason", "this model takes no images"))
+            return None
+        return ImageRows(req.tokens, req.images, encoder.placeholder_id)
 
     # ---- the engine loop --------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -359,7 +393,7 @@ class Scheduler:
                 continue
             if req.sampling.seed is None:
                 req.sampling = req.sampling.updated(seed=int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
-            entry = (self.prefix_cache.lookup(req.tokens, limit=len(req.tokens) - 1)
+            entry = (self.prefix_cache.lookup(_cache_key(self._image_rows(req), req.tokens), limit=len(req.tokens) - 1)
                      if self.prefix_cache is not None else None)
             plan.admit.append((next(self._ids), stream, entry.id if entry is not None else None))
             free -= 1
@@ -400,7 +434,8 @@ class Scheduler:
         """A row for ``stream``: its cache from prefix snapshot ``entry_id`` (or empty), and its snapshot points."""
         req = stream.request
         prompt = req.tokens
-        row = _Row(rid, stream, RowSampler(req.sampling, prompt))
+        rows = self._image_rows(req)
+        row = _Row(rid, stream, RowSampler(req.sampling, prompt), rows, _cache_key(rows, prompt))
         if req.reasoning is not None:
             row.reasoning_left = req.reasoning.tokens
         if entry_id is not None:
@@ -433,16 +468,15 @@ class Scheduler:
                 self._waiting.remove(row)
                 self._finish(row, "cancelled")
                 continue
-            prompt, end = row.request.tokens, len(row.request.tokens) - 1
+            end = len(row.request.tokens) - 1
             while row.done < end and budget > 0:
                 stop = min((p for p in row.stops if p > row.done), default=end)
                 n = min(stop - row.done, budget)
-                self.model(mx.array(prompt[row.done : row.done + n])[None], cache=row.cache)
-                mx.eval([c.state for c in row.cache])
+                self._forward(row, n)
                 row.done += n
                 budget -= n
                 if row.done in row.stops:
-                    self._snapshot(prompt[: row.done], row.cache, 0, row.stops[row.done])
+                    self._snapshot(row.key[: row.done], row.cache, 0, row.stops[row.done])
             if row.done == end:
                 self._waiting.remove(row)
                 self._batch = row.cache if self._batch is None else merge_caches(
@@ -451,6 +485,18 @@ class Scheduler:
                 self._running.append(row)
             if budget <= 0:
                 break
+
+    def _forward(self, row: _Row, n: int) -> None:
+        """Prefill the row's next ``n`` prompt tokens (from ``row.done``) into its cache. A chunk that overlaps
+        image placeholders goes in as embeddings [1, n, hidden] with the features in place (it may begin or end
+        inside an image; the features come from the encoder, which keeps them by digest)."""
+        ids = mx.array(row.request.tokens[row.done : row.done + n])[None]  # [1, n]
+        if row.rows is not None and row.done < row.rows.end:
+            h = row.rows.embed(self.model.embed, ids, row.done, self.model.image_encoder.features)
+            self.model(ids, cache=row.cache, input_embeddings=h)
+        else:
+            self.model(ids, cache=row.cache)
+        mx.eval([c.state for c in row.cache])
 
     def _decode(self) -> None:
         """One decode step for every running row; emits a token per row, retires the finished ones."""
@@ -520,7 +566,7 @@ class Scheduler:
             return
         if reason != "cancelled":
             for r in rows:
-                self._snapshot(r.request.tokens + r.generated[:-1], self._batch, self._running.index(r), "reply")
+                self._snapshot(r.key + r.generated[:-1], self._batch, self._running.index(r), "reply")
         keep = [i for i, r in enumerate(self._running) if r not in rows]
         if keep:
             self._batch.filter(keep)

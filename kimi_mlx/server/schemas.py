@@ -5,9 +5,11 @@ written ``2.0``, as both APIs take it), documented ranges, unknown fields ignore
 (400) whose ``param`` names the field, as ``messages[1].content``; a body nested deeper than ``MAX_JSON_DEPTH``
 arrays and objects is refused before it is decoded.
 
-Message content is validated here and normalised to what ``kimi_mlx.chat.format`` renders: text (a string, or a
-list of text parts) — image, audio and file parts are refused (the models are text-only). Fields whose shape the
-validators check by hand carry that shape as their JSON schema (``WithJsonSchema``), so the server's
+Message content is validated here: text (a string, or a list of text parts) and, in user messages, images (OpenAI
+``image_url`` parts with a ``data:`` or ``http(s)`` URL, Anthropic ``image`` blocks with a ``base64`` or ``url``
+source); audio, file and document parts are refused. Only the shape is checked here; the routes read the images
+(``kimi_mlx.server.images``). An error in one part of a list names it: ``messages[0].content[1]``. Fields whose
+shape the validators check by hand carry that shape as their JSON schema (``WithJsonSchema``), so the server's
 ``/openapi.json`` (``kimi_mlx.server.app``) describes what it accepts.
 """
 
@@ -21,6 +23,7 @@ import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
 from .errors import ApiError
+from .images import MEDIA_TYPES
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 TEMPLATE_KWARGS = ("thinking", "enable_thinking", "thinking_effort")
@@ -50,10 +53,20 @@ def _object(required: tuple[str, ...] = (), **properties) -> dict:
 _STR, _NULL = {"type": "string"}, {"type": "null"}
 _TEXT_PART = _object(("type", "text"), type={"const": "text"}, text=_STR)
 _TEXT_PARTS = {"type": "array", "items": _TEXT_PART}
+_IMAGE_URL_PART = _object(("type", "image_url"), type={"const": "image_url"},
+                          image_url=_object(("url",), url={"type": "string", "minLength": 1},
+                                            detail={"enum": ["auto", "low", "high"]}))
+_USER_PARTS = {"type": "array", "items": {"anyOf": [_TEXT_PART, _IMAGE_URL_PART]}}
+_IMAGE_BLOCK = _object(("type", "source"), type={"const": "image"}, source={"anyOf": [
+    _object(("type", "media_type", "data"), type={"const": "base64"}, media_type={"enum": list(MEDIA_TYPES)},
+            data={"type": "string", "minLength": 1}),
+    _object(("type", "url"), type={"const": "url"}, url={"type": "string", "minLength": 1}),
+]})
 _STOPS = {"anyOf": [{"type": "string", "minLength": 1},
                     {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}, _NULL]}
 _ANTHROPIC_USER_BLOCKS = {"type": "array", "items": {"anyOf": [
     _TEXT_PART,
+    _IMAGE_BLOCK,
     _object(("type", "tool_use_id"), type={"const": "tool_result"}, tool_use_id={"type": "string", "minLength": 1},
             content={"anyOf": [_STR, _TEXT_PARTS]}, is_error={"type": "boolean"}),
 ]}}
@@ -112,10 +125,20 @@ def _param(loc: tuple) -> str:
     return out
 
 
+class PartError(ValueError):
+    """A content part (``index`` in its list) that does not validate: the error names it, ``messages[0].content[1]``."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+
+
 def _api_error(e: ValidationError) -> ApiError:
     err = e.errors(include_url=False)[0]
     param = _param(err["loc"])
     msg = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+    if err["type"] == "value_error" and isinstance(err["ctx"]["error"], PartError):
+        param += f"[{err['ctx']['error'].index}]"
     if err["type"] == "missing":
         msg = "required"
     elif err["type"] not in ("value_error",) and "input" in err and not isinstance(err["input"], (dict, list)):
@@ -123,9 +146,10 @@ def _api_error(e: ValidationError) -> ApiError:
     return ApiError(400, f"{param}: {msg}" if param else msg, param or None)
 
 
-def text_content(content: Any, allow_none: bool) -> Optional[str | list]:
-    """Validate OpenAI message content: a string, a list of ``{"type": "text", "text": str}`` parts, or (when
-    allowed) None. Returned unchanged (the chat renderer reads both shapes)."""
+def message_content(content: Any, allow_none: bool, role: str) -> Optional[str | list]:
+    """Validate OpenAI message content: a string, a list of ``{"type": "text", "text": str}`` parts (and, in a user
+    message, ``{"type": "image_url", "image_url": {"url": str, "detail": "auto"|"low"|"high"}}`` parts), or (when
+    allowed) None. Returned unchanged."""
     if content is None:
         if allow_none:
             return None
@@ -133,16 +157,46 @@ def text_content(content: Any, allow_none: bool) -> Optional[str | list]:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ValueError(f"must be a string or a list of text parts, got {type(content).__name__}")
+        raise ValueError(f"must be a string or a list of content parts, got {type(content).__name__}")
     for i, part in enumerate(content):
         if not isinstance(part, dict):
-            raise ValueError(f"part {i} must be an object, got {type(part).__name__}")
+            raise PartError(i, f"must be an object, got {type(part).__name__}")
         kind = part.get("type")
-        if kind != "text":
-            raise ValueError(f"part {i} has type {kind!r}: only text parts are supported (the model is text-only)")
-        if not isinstance(part.get("text"), str):
-            raise ValueError(f"part {i}: 'text' must be a string")
+        if kind == "image_url" and role == "user":
+            _image_url_part(i, part.get("image_url"))
+        elif kind == "image_url":
+            raise PartError(i, f"an image in a {role} message: images go in user messages")
+        elif kind != "text":
+            raise PartError(i, f"type {kind!r}: the parts this server takes are 'text' and (user messages) "
+                               "'image_url'")
+        elif not isinstance(part.get("text"), str):
+            raise PartError(i, "'text' must be a string")
     return content
+
+
+def _image_url_part(i: int, image_url: Any) -> None:
+    if not isinstance(image_url, dict) or not isinstance(image_url.get("url"), str) or not image_url["url"]:
+        raise PartError(i, "an image_url part needs 'image_url': {'url': 'data:image/png;base64,...'}")
+    if image_url.get("detail") not in (None, "auto", "low", "high"):
+        raise PartError(i, f"image_url.detail is {image_url['detail']!r}; expected auto, low or high")
+
+
+def _image_block(i: int, block: dict) -> None:
+    """An Anthropic image block: ``source`` base64 (media_type one of ``MEDIA_TYPES``, data) or url."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        if source.get("media_type") not in MEDIA_TYPES:
+            raise PartError(i, f"source.media_type is {source.get('media_type')!r}; expected one of "
+                               f"{', '.join(MEDIA_TYPES)}")
+        if not isinstance(source.get("data"), str) or not source["data"]:
+            raise PartError(i, "source.data must be the image as base64 text")
+    elif kind == "url":
+        if not isinstance(source.get("url"), str) or not source["url"]:
+            raise PartError(i, "source.url must be a URL")
+    else:
+        raise PartError(i, "an image block needs 'source': {'type': 'base64', 'media_type', 'data'} or "
+                           "{'type': 'url', 'url'}")
 
 
 def stop_list(value: Any) -> list[str]:
@@ -176,7 +230,8 @@ def _chat_message_roles(schema: dict) -> None:
     call's id on tool messages, tool calls only on assistant messages."""
     text, no_calls = {"anyOf": [_STR, _TEXT_PARTS]}, {"anyOf": [_NULL, {"type": "array", "maxItems": 0}]}
     schema["oneOf"] = [
-        _object(("content",), role={"enum": ["system", "developer", "user"]}, content=text, tool_calls=no_calls),
+        _object(("content",), role={"enum": ["system", "developer"]}, content=text, tool_calls=no_calls),
+        _object(("content",), role={"const": "user"}, content={"anyOf": [_STR, _USER_PARTS]}, tool_calls=no_calls),
         _object((), role={"const": "assistant"}),
         _object(("content", "tool_call_id"), role={"const": "tool"}, content=text, tool_calls=no_calls,
                 tool_call_id={"type": "string", "minLength": 1}),
@@ -187,8 +242,8 @@ class ChatMessage(_Body):
     model_config = ConfigDict(json_schema_extra=_chat_message_roles)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: _shape({"anyOf": [_STR, _TEXT_PARTS, _NULL], "description": "null only on assistant messages"}) = \
-        Field(None, validate_default=True)
+    content: _shape({"anyOf": [_STR, _USER_PARTS, _NULL], "description": "null only on assistant messages; "
+                     "image_url parts only in user messages"}) = Field(None, validate_default=True)
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = Field(None, validate_default=True)
     tool_call_id: Optional[str] = Field(None, validate_default=True)
@@ -198,7 +253,8 @@ class ChatMessage(_Body):
     @field_validator("content")
     @classmethod
     def _content(cls, v, info):
-        return text_content(v, allow_none=info.data.get("role") == "assistant")
+        role = info.data.get("role")
+        return message_content(v, allow_none=role == "assistant", role=role)
 
     @field_validator("tool_calls")
     @classmethod
@@ -395,40 +451,50 @@ class CompletionRequest(_Sampling):
 
 def anthropic_blocks(content: Any, role: str) -> list[dict]:
     """Content of an Anthropic message as a list of blocks (a string becomes one text block); checks each block:
-    text, thinking / redacted_thinking (assistant), tool_use (assistant), tool_result (user)."""
+    text, image (user), thinking / redacted_thinking (assistant), tool_use (assistant), tool_result (user)."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise ValueError(f"must be a string or a list of content blocks, got {type(content).__name__}")
-    allowed = {"user": ("text", "tool_result"),
+    allowed = {"user": ("text", "image", "tool_result"),
                "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}[role]
     for i, block in enumerate(content):
         if not isinstance(block, dict):
-            raise ValueError(f"block {i} must be an object")
+            raise PartError(i, "must be an object")
         kind = block.get("type")
-        if kind in ("image", "document", "search_result"):
-            raise ValueError(f"block {i} has type {kind!r}: only text is supported (the model is text-only)")
+        if kind in ("document", "search_result"):
+            raise PartError(i, f"type {kind!r} is not supported (text and images only)")
         if kind not in allowed:
-            raise ValueError(f"block {i} has type {kind!r}; a {role} message takes {', '.join(allowed)}")
+            raise PartError(i, f"type {kind!r}; a {role} message takes {', '.join(allowed)}")
         if kind == "text" and not isinstance(block.get("text"), str):
-            raise ValueError(f"block {i}: 'text' must be a string")
+            raise PartError(i, "'text' must be a string")
+        if kind == "image":
+            _image_block(i, block)
         if kind == "thinking" and not isinstance(block.get("thinking"), str):
-            raise ValueError(f"block {i}: 'thinking' must be a string")
+            raise PartError(i, "'thinking' must be a string")
         if kind == "tool_use" and not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
                                        and isinstance(block.get("input"), dict)):
-            raise ValueError(f"block {i}: tool_use needs 'id' and 'name' (strings) and 'input' (an object)")
+            raise PartError(i, "tool_use needs 'id' and 'name' (strings) and 'input' (an object)")
         if kind == "tool_result":
-            if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
-                raise ValueError(f"block {i}: tool_result needs 'tool_use_id'")
-            inner = block.get("content", "")
-            if not isinstance(inner, str):
-                try:
-                    anthropic_blocks(inner, "user")
-                except ValueError as e:
-                    raise ValueError(f"block {i} content: {e}") from None
-                if any(b.get("type") != "text" for b in inner):
-                    raise ValueError(f"block {i}: tool_result content must be text")
+            _tool_result_block(i, block)
     return content
+
+
+def _tool_result_block(i: int, block: dict) -> None:
+    """A tool_result block: its ``tool_use_id`` and text content."""
+    if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
+        raise PartError(i, "tool_result needs 'tool_use_id'")
+    inner = block.get("content", "")
+    if isinstance(inner, str):
+        return
+    try:
+        anthropic_blocks(inner, "user")
+    except PartError as e:
+        raise PartError(i, f"content[{e.index}]: {e}") from None
+    except ValueError as e:
+        raise PartError(i, f"content: {e}") from None
+    if any(b.get("type") != "text" for b in inner):
+        raise PartError(i, "tool_result content must be text")
 
 
 def _anthropic_message_roles(schema: dict) -> None:
