@@ -550,7 +550,10 @@ def load(
         _read_lazy_weights
     model, opened = load_parallel(parallel, group, split, adapter_path, open_model, read_weights)
     tokenizer = opened.state["tokenizer"]
-    _attach_image_encoder(model, tokenizer, opened.state.get("path"))
+    from .parallel.images import attach_image_encoder  # Pillow and the vision package: only once a model is loaded
+
+    attach_image_encoder(model, lambda: _attach_image_encoder(model, tokenizer, opened.state.get("path")),
+                         opened.group, everywhere=parallel == "tensor")  # the tower on rank 0, features shared
     return _with_adapters(model, adapter_path), tokenizer
 
 

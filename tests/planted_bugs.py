@@ -801,6 +801,17 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/image_prompt.py", "for i in np.unique(owners).tolist():", "for i in np.unique(owners).tolist()[::-1]:"),),
         ("tests/test_vision_chat_logits.py::test_two_images_in_one_message_match_mlx_vlm",),
     ),
+    # -- K3 vision on a distributed model
+    PlantedBug(
+        "distributed images: each rank keeps its own contribution (zeros off rank 0), nothing is broadcast",
+        (("kimi_mlx/parallel/images.py", "shared = comm.all_sum(mine, self.group)", "shared = mine"),),
+        ("tests/test_parallel_images.py::test_two_ranks_match_one_process_with_images[tensor]",),
+    ),
+    PlantedBug(
+        "distributed images: the last broadcast image's features reused for the next image",
+        (("kimi_mlx/parallel/images.py", "if image.digest == self._last[0]:", "if self._last[0]:"),),
+        ("tests/test_parallel_images.py::test_two_ranks_match_one_process_with_images[tensor]",),
+    ),
 )
 
 
