@@ -176,7 +176,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the tower layer's dtype")
     ap.add_argument("--skip-layer", action="store_true", help="no real-width layer (the slow part on 2 cores)")
     args = ap.parse_args(argv)
-    import mlx_vlm
+    try:
+        import mlx_vlm
+    except ImportError:
+        print("bench_vision.py compares with mlx-vlm: pip install mlx-vlm==0.7.10", file=sys.stderr)
+        return 2
 
     print(f"BLAS: {blas_in_use()}")
     print(f"mlx {mx.__version__}, mlx-vlm {mlx_vlm.__version__}, runs {args.runs}")
