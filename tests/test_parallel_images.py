@@ -6,7 +6,8 @@ Launched check (2 ``ring`` ranks under ``mlx.launch``, pipeline and tensor): eac
 then the single-process model, and compares the first step's log-probabilities of ``stream_generate(images=...)`` on
 mlx-vlm's chat prompts (one image; two images in one message) with prefill chunks of 2048 tokens and of 7 (chunks
 that end inside each image's placeholders), and against mlx-vlm's own logits. A checkpoint without a tower refuses
-images on every rank with rank 0's reason.
+images on every rank with rank 0's reason. Ranks > 0 take images without pixels (``PromptImage.from_json``: digest,
+count and size, as a request would carry them between ranks).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import numpy as np
 from pathlib import Path
 import kimi_mlx.vision.model as vision_model
 from kimi_mlx import load, stream_generate
+from kimi_mlx.image_prompt import PromptImage
 
 mode, ckpt, text_only = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 ref_dir, images = ckpt.parent / "mlx_vlm", ckpt.parent / "images"
@@ -68,6 +70,14 @@ for prompt, files in cases.items():
         out["diff"][f"{prompt}/{step}"] = float(np.abs(got - ref).max())
         out["vs_mlx_vlm"][f"{prompt}/{step}"] = float(np.abs(got - mlx_vlm(prompt)).max())
 enc = model.image_encoder
+# ranks > 0 need no pixels: an image as a request carries it between ranks (digest, count, size; no pixels)
+files = cases["two_images"]
+as_sent = [PromptImage.from_json(enc.prepare(images / f).to_json()) for f in files]
+ids = np.load(ref_dir / "two_images.chat.input_ids.npy").reshape(-1).tolist()
+given = [images / f for f in files] if group.rank() == 0 else as_sent
+got = next(iter(stream_generate(model, tok, ids, 1, images=given, prefill_step_size=7)))
+out["diff"]["two_images/7/no pixels off rank 0"] = float(np.abs(np.array(got.logprobs, np.float64) -
+                                                          first(plain, "two_images", files, 7)).max())
 out.update(encoded=enc.encoded, tower_bytes=enc.nbytes, has_local=enc.local is not None, source=enc.source)
 bare, _ = load(text_only, dtype=mx.float32, parallel=mode, group=group)
 out["text_only"] = [bare.image_encoder is None, bare.no_images_reason]
