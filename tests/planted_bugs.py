@@ -812,6 +812,12 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/parallel/images.py", "if image.digest == self._last[0]:", "if self._last[0]:"),),
         ("tests/test_parallel_images.py::test_two_ranks_match_one_process_with_images[tensor]",),
     ),
+    PlantedBug(
+        "vision: a block of attention queries sees only its own block's keys",
+        (("kimi_mlx/vision/tower.py", "q[:, :, i : i + block], k, v, scale=scale)",
+          "q[:, :, i : i + block], k[:, :, i : i + block], v[:, :, i : i + block], scale=scale)"),),
+        ("tests/test_vision_tower.py::test_attention_in_query_blocks_matches_mlx_vlm",),
+    ),
 )
 
 
