@@ -809,7 +809,7 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "distributed images: the last broadcast image's features reused for the next image",
-        (("kimi_mlx/parallel/images.py", "if image.digest == self._last[0]:", "if self._last[0]:"),),
+        (("kimi_mlx/parallel/images.py", "self._last[0] == image.digest:", "self._last[0]:"),),
         ("tests/test_parallel_images.py::test_two_ranks_match_one_process_with_images[tensor]",),
     ),
     PlantedBug(

@@ -16,7 +16,9 @@ lockstep forwards): rank 0 takes its encoder's features (its tower, or its cache
 (exact), evaluated at once, so one evaluation never mixes it with a forward's collectives. Without ``everywhere``
 (pipeline: only rank 0 embeds; ``PipelineStage.embed`` gives zeros elsewhere and ``enter`` reads only the shape of
 the embeddings) the other ranks get zeros of the right shape and nothing is sent. The last image's broadcast
-features are kept on every rank alike, so the prefill chunks that cut one image share one broadcast.
+features are kept on every rank alike, so the prefill chunks that cut one image share one broadcast. Ranks > 0 never
+read pixels: an image given to them as a ``PromptImage`` without pixels (``PromptImage.from_json``: what a request
+passed between ranks would carry) is enough there.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class GroupImageEncoder:
             raise ValueError(f"rank {group.rank()}: the vision tower belongs on rank 0 only")
         self.group, self.local, self.preprocess, self.placeholder_id = group, local, preprocess, placeholder_id
         self.hidden_size, self.dtype, self.source, self.everywhere = hidden_size, dtype, source, everywhere
-        self._last: tuple[str, mx.array] = ("", mx.zeros((0, hidden_size), dtype))  # (digest, features)
+        self._last: Optional[tuple[str, mx.array]] = None  # (digest, features) of the last image broadcast
 
     @property
     def encoded(self) -> int:
@@ -65,13 +67,14 @@ class GroupImageEncoder:
     def features(self, image: PromptImage) -> mx.array:
         """The image's features [num_tokens, hidden] (evaluated): rank 0's tower output on rank 0, and on the other
         ranks with ``everywhere`` (zeros there without it). Every rank must call this, in the same order."""
-        if image.digest == self._last[0]:
+        if self._last is not None and self._last[0] == image.digest:
             return self._last[1]
-        mine = self.local.features(image) if self.local is not None else None
-        if not self.everywhere:
-            return mine if mine is not None else mx.zeros((image.num_tokens, self.hidden_size), self.dtype)
-        if mine is None:
+        if self.local is not None:
+            mine = self.local.features(image)  # [n, hidden]: the tower's, or rank 0's cache by digest
+        else:
             mine = mx.zeros((image.num_tokens, self.hidden_size), self.dtype)
+        if not self.everywhere:
+            return mine
         shared = comm.all_sum(mine, self.group)
         mx.eval(shared)
         self._last = (image.digest, shared)
@@ -86,10 +89,11 @@ def attach_image_encoder(model: nn.Module, attach: Callable[[], None], group: Op
     if group is None or group.size() == 1:
         attach()
         return
+    text = None
     with agree(group, "loading the vision tower"):
         if group.rank() == 0:
             attach()
-    text = _describe(model) if group.rank() == 0 else None
+            text = _describe(model)
     described = json.loads(comm.broadcast_text(text, group))
     if described["reason"] is not None:
         model.image_encoder, model.no_images_reason = None, described["reason"]
@@ -104,7 +108,7 @@ def _describe(model: nn.Module) -> str:
     """Rank 0's ``model.image_encoder`` as JSON (what the other ranks need), or why images are refused."""
     enc: Optional[ImageEncoder] = model.image_encoder
     if enc is None:
-        return json.dumps({"reason": model.no_images_reason})
+        return json.dumps({"reason": getattr(model, "no_images_reason", "this model has no vision tower")})
     return json.dumps({"reason": None, "preprocess": dataclasses.asdict(enc.preprocess),
                        "placeholder_id": enc.placeholder_id, "hidden_size": enc.hidden_size,
                        "dtype": str(enc.dtype).rsplit(".", 1)[-1], "source": enc.source})
