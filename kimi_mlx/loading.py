@@ -34,7 +34,8 @@ from .models.kimi_k3 import K3Model
 from .ops.ggml import FORMATS as GGML_FORMATS
 from .models.kimi_linear import Model
 from .ops.memory import check_fits
-from .parallel import Opened, Select, Share, Split, init_group, load_parallel
+from .parallel.health import agree
+from .parallel import Opened, Select, Share, Split, load_parallel
 from .parallel.pipeline import layer_bytes
 
 
@@ -564,8 +565,20 @@ def load(
     model, opened = load_parallel(parallel, group, split, adapter_path, open_model, read_weights)
     tokenizer = opened.state["tokenizer"]
     source = Path(path_or_hf_id).expanduser() if gguf else opened.state.get("path")
-    _attach_image_encoder(model, tokenizer, source, mmproj, init_group(parallel, group))
+    _attach_images(model, tokenizer, source, mmproj, opened.group, everywhere=parallel == "tensor")
     return _with_adapters(model, adapter_path), tokenizer
+
+
+def _attach_images(model: nn.Module, tokenizer, source: Optional[Path], mmproj, group, everywhere: bool) -> None:
+    """``model.image_encoder`` on every rank (see ``_attach_image_encoder``), a step all ranks pass or fail
+    together; on a group of several ranks it shares rank 0's features (``parallel.images.GroupImageEncoder``;
+    ``everywhere``: every rank embeds, as under tensor parallelism)."""
+    with agree(group, "loading the vision tower"):
+        encoder = _attach_image_encoder(model, tokenizer, source, mmproj, group)
+    if encoder is not None and group is not None and group.size() > 1:
+        from .parallel.images import GroupImageEncoder
+
+        model.image_encoder = GroupImageEncoder(group, encoder, everywhere)
 
 
 def _attach_image_encoder(model: nn.Module, tokenizer, source: Optional[Path], mmproj=None,

@@ -849,6 +849,23 @@ BUGS: tuple[PlantedBug, ...] = (
           "    if declared is not None and declared != media_type and False:\n"),),
         ("tests/test_server_image_errors.py::test_malformed_image_is_a_400_naming_the_part",),
     ),
+    # -- K3 vision on a distributed model
+    PlantedBug(
+        "distributed images: each rank keeps its own contribution (zeros off rank 0), nothing is broadcast",
+        (("kimi_mlx/parallel/images.py", "shared = comm.all_sum(mine, self.group)", "shared = mine"),),
+        ("tests/test_parallel_images.py::test_two_ranks_match_one_process_with_images[tensor]",),
+    ),
+    PlantedBug(
+        "distributed images: the last broadcast image's features reused for the next image",
+        (("kimi_mlx/parallel/images.py", "self._last[0] == image.digest:", "self._last[0]:"),),
+        ("tests/test_parallel_images.py::test_two_ranks_match_one_process_with_images[tensor]",),
+    ),
+    PlantedBug(
+        "vision: a block of attention queries sees only its own block's keys",
+        (("kimi_mlx/vision/tower.py", "q[:, :, i : i + block], k, v, scale=scale)",
+          "q[:, :, i : i + block], k[:, :, i : i + block], v[:, :, i : i + block], scale=scale)"),),
+        ("tests/test_vision_tower.py::test_attention_in_query_blocks_matches_mlx_vlm",),
+    ),
 )
 
 

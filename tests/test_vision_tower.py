@@ -44,6 +44,26 @@ def test_stages_match_mlx_vlm(vision, img):
     assert feats.shape == (pv.shape[0] // 4, 256)
 
 
+@pytest.mark.parametrize("img", ["img3_large_500x380", "img1_rgba_100x300"])
+def test_attention_in_query_blocks_matches_mlx_vlm(vision, img, monkeypatch):
+    """Scores capped below two query rows: the queries go one row per call, and the encoder output stays within 1e-5
+    of mlx-vlm's (which attends in one call)."""
+    import kimi_mlx.vision.tower as tower_module
+
+    pv = mx.array(np.load(REF / f"{img}.pixel_values.npy"))
+    grid = np.load(REF / f"{img}.grid_thw.npy")
+    n, heads = pv.shape[0], vision.cfg.num_heads
+    monkeypatch.setattr(tower_module, "ATTENTION_SCORE_BYTES", heads * n * 4 * 2 - 1)  # blocks of one query row
+    calls = []
+    real = mx.fast.scaled_dot_product_attention
+    counted = lambda q, *a, **k: calls.append(q.shape[2]) or real(q, *a, **k)  # noqa: E731
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counted)
+    enc = vision.vision_tower.encode(pv, grid)
+    assert set(calls) == {1} and len(calls) == n * vision.cfg.num_layers
+    diff = float(np.abs(np.array(enc) - np.load(REF / f"{img}.encoder_out.npy")).max())
+    assert diff <= TOL, f"{img}: max |diff| {diff:.3g} > {TOL}"
+
+
 def _hf_vision_weights():
     return {k: v for k, v in mx.load(str(HF / "model.safetensors")).items()
             if k.startswith(("vision_tower.", "mm_projector."))}

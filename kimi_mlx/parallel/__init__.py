@@ -126,6 +126,7 @@ class Opened:
     layer_bytes: Callable[[], Sequence[int]]
     fingerprint: tuple[Mapping[str, Any], Iterable[tuple[str, Sequence[int], Any]], Iterable[Path]]
     state: Any = None
+    group: Optional[mx.distributed.Group] = None  # set by ``load_parallel``: the group split over (None: one process)
 
 
 def load_parallel(
@@ -140,7 +141,7 @@ def load_parallel(
     Checks the arguments (``check_arguments``), takes the group (``init_group``) and starts the watchdog (from then on
     a rank that is lost ends the others), runs each step as one every rank passes or fails together (``agree``: the
     ranks' fingerprints of the opened model must match), and decides this rank's share between them (every rank
-    must call this). With ``parallel`` None the steps simply run. Returns (model, opened).
+    must call this). With ``parallel`` None the steps simply run. Returns (model, opened), ``opened.group`` set.
     """
     check_arguments(parallel, group, split, adapter_path)
     group = init_group(parallel, group)
@@ -152,6 +153,7 @@ def load_parallel(
     share = rank_share(parallel, group, split, opened.cfg, costs)
     with agree(group, "loading the weights"):
         model = read_weights(opened, share, group)
+    opened.group = group
     return model, opened
 
 

@@ -24,6 +24,19 @@ from .preprocess import ImageLike, VisionPreprocessConfig, preprocess
 DEFAULT_CACHE_BYTES = 256 << 20
 
 
+def prepare_image(image: ImageLike | PromptImage, cfg: VisionPreprocessConfig) -> PromptImage:
+    """One image -> ``PromptImage``: preprocessed with ``cfg``, its digest that of the pixels [N, 3, P, P] (float32)
+    and ``grid_thw`` (a ``PromptImage`` is returned as is). Needs no tower: every rank of a distributed model runs it.
+    ValueError for an unreadable image."""
+    if isinstance(image, PromptImage):
+        return image
+    pixels = preprocess(image, cfg)
+    values = np.asarray(pixels.pixel_values)  # [N, 3, P, P] float32
+    digest = hashlib.blake2b(values.tobytes(), digest_size=16)
+    digest.update(repr(pixels.grid_thw).encode())
+    return PromptImage(digest.hexdigest(), pixels.num_tokens, pixels.size, pixels)
+
+
 class ImageEncoder:
     """vision: the tower + projector, or None on a rank that does not hold them (then ``cfg`` gives their config
     and ``features`` serves only what another part of the program put in the cache); preprocess: the checkpoint's
@@ -57,13 +70,7 @@ class ImageEncoder:
 
     def prepare(self, image: ImageLike | PromptImage) -> PromptImage:
         """One image -> ``PromptImage`` (a ``PromptImage`` is returned as is). ValueError for an unreadable image."""
-        if isinstance(image, PromptImage):
-            return image
-        pixels = preprocess(image, self.preprocess)
-        values = np.asarray(pixels.pixel_values)  # [N, 3, P, P] float32
-        digest = hashlib.blake2b(values.tobytes(), digest_size=16)
-        digest.update(repr(pixels.grid_thw).encode())
-        return PromptImage(digest.hexdigest(), pixels.num_tokens, pixels.size, pixels)
+        return prepare_image(image, self.preprocess)
 
     def features(self, image: PromptImage) -> mx.array:
         """The image's features [num_tokens, hidden] (evaluated), from the cache or the tower."""

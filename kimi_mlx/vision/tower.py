@@ -27,6 +27,8 @@ import numpy as np
 
 from .config import VisionConfig
 
+ATTENTION_SCORE_BYTES = 256 << 20  # attention scores one query block may hold (see ``attention``)
+
 
 def _bilinear_index(n_out: int, n_in: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """torch F.interpolate(mode="bilinear", align_corners=False) source indices and weights along one axis."""
@@ -82,6 +84,25 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return out.reshape(n, nh, hd)
 
 
+def attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """q, k, v [1, H, N, hd] -> [1, H, N, hd]: full bidirectional attention over one image's N patches, through
+    ``mx.fast.scaled_dot_product_attention`` with the queries in blocks, so that the scores one block holds
+    ([H, block, N], counted as float32) stay within ``ATTENTION_SCORE_BYTES`` (one call when they fit). Each query
+    row sees every key either way: the blocks change the memory, not the result. Without blocks the largest image
+    K3 allows (in_patch_limit 65536 patches, 12 heads) would hold 12 x 65536^2 float32 scores (206 GB) where the
+    kernel materialises them (MLX's CPU backend). Blocks are evaluated one by one (MLX allocates the buffers of a
+    whole graph before its kernels run, so lazy blocks would hold every block's scores at once): call it eagerly."""
+    _, h, n, _ = q.shape
+    block = max(1, ATTENTION_SCORE_BYTES // (h * n * 4))
+    if block >= n:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+    parts = []
+    for i in range(0, n, block):
+        parts.append(mx.fast.scaled_dot_product_attention(q[:, :, i : i + block], k, v, scale=scale))
+        mx.eval(parts[-1])  # [1, H, block, hd] now: a lazy graph would allocate every block's scores up front
+    return mx.concatenate(parts, axis=2)  # [1, H, N, hd]
+
+
 class PosEmb(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -133,7 +154,7 @@ class Block(nn.Module):
         k = apply_rope(qkv[:, 1], cos, sin)  # [N, H, hd]
         v = qkv[:, 2]  # [N, H, hd]
         q, k, v = (a.transpose(1, 0, 2)[None] for a in (q, k, v))  # [1, H, N, hd]
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)  # [1, H, N, hd]
+        o = attention(q, k, v, self.head_dim**-0.5)  # [1, H, N, hd]
         x = x + self.wo(o[0].transpose(1, 0, 2).reshape(n, -1))  # [N, D]
         return x + self.mlp(self.norm1(x))  # [N, D]
 
