@@ -75,7 +75,7 @@ given = [images / f for f in files] if group.rank() == 0 else as_sent
 got = next(iter(stream_generate(model, tok, ids, 1, images=given, prefill_step_size=7)))
 out["diff"]["two_images/7/no pixels off rank 0"] = float(np.abs(np.array(got.logprobs, np.float64) -
                                                           first(plain, "two_images", files, 7)).max())
-out.update(encoded=enc.encoded, tower_bytes=enc.nbytes, has_local=enc.local is not None, source=enc.source)
+out.update(encoded=enc.encoded, tower_bytes=enc.nbytes, has_local=enc.local.vision is not None, source=enc.source)
 bare, _ = load(text_only, dtype=mx.float32, parallel=mode, group=group)
 out["text_only"] = [bare.image_encoder is None, bare.no_images_reason]
 report(out)
