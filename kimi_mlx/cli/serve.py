@@ -206,7 +206,8 @@ def _serve(args: argparse.Namespace, group) -> int:
         encoder = getattr(parts.model, "image_encoder", None)
         backend = Backend(parts.scheduler.start(), parts.tokenizer, parts.chat_format, vocab, args.max_kv_size,
                           defaults, encoder, getattr(parts.model, "no_images_reason", "no vision tower"), limits)
-        weights = sum(v.nbytes for _, v in tree_flatten(parts.model.parameters())) / 1e9
+        weights = (sum(v.nbytes for _, v in tree_flatten(parts.model.parameters()))
+                   + (encoder.nbytes if encoder is not None else 0)) / 1e9  # the vision tower's too
         log.info(f"kimi-mlx serve: {url} | model {model_id} ({parts.chat_format} format) | weights {weights:.3g} GB, "
                  f"memory in use {mx.get_active_memory() / 1e9:.2f} GB, prompt cache up to "
                  f"{parts.prompt_cache_bytes / 1e9:.2f} GB "
