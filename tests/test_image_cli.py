@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pexpect
@@ -24,9 +25,11 @@ STATS = re.compile(r"\[prompt (\d+) tok \((\d+) prefilled\) [\d.]+ tok/s \| gene
 PROMPT = ">>> "
 
 
+KIMI = str(Path(sys.executable).parent / "kimi-mlx")  # the installed command (a source checkout's cwd would shadow it)
+
+
 def _cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kimi_mlx.cli.main", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    return subprocess.run([KIMI, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 def test_generate_image_gives_the_python_apis_tokens():
@@ -65,7 +68,7 @@ def test_generate_image_errors_are_one_line(tmp_path, kl_dir):
 
 
 def _spawn(cwd, *flags) -> pexpect.spawn:
-    child = pexpect.spawn(sys.executable, ["-m", "kimi_mlx.cli.main", "chat", "--model", str(CKPT), "--dtype",
+    child = pexpect.spawn(KIMI, ["chat", "--model", str(CKPT), "--dtype",
                                            "float32", "-m", "6", *flags],
                           cwd=str(cwd), encoding="utf-8", timeout=180, dimensions=(50, 400))
     child.expect(r"\(kimi_k3 format\)")
@@ -136,7 +139,7 @@ def test_chat_image_errors(tmp_path, kl_dir):
     _command(child, "/image", re.escape("[error: usage: /image PATH]"))
     child.sendline("/exit")
     child.expect(pexpect.EOF)
-    kl = pexpect.spawn(sys.executable, ["-m", "kimi_mlx.cli.main", "chat", "--model", str(kl_dir / "hf")],
+    kl = pexpect.spawn(KIMI, ["chat", "--model", str(kl_dir / "hf")],
                        cwd=str(tmp_path), encoding="utf-8", timeout=180, dimensions=(50, 400))
     kl.expect_exact(PROMPT)
     kl.sendline(f"/image {IMG0}")
