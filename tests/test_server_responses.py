@@ -5,7 +5,7 @@ the same conversation (greedy): the same text and token counts, whole and stream
 (items in the input on the demo model; a forced call on the Kimi-K3 fixture, also giving a reasoning item);
 ``previous_response_id`` equal to sending the whole conversation, with the prefix cache supplying the shared
 tokens; the store's byte budget; malformed requests getting OpenAI's error shape and a 4xx while the server keeps
-serving.
+serving. Structured replies (``text.format``) render as the chat route's ``response_format``.
 """
 
 import json
@@ -161,7 +161,8 @@ def test_store_budget_evicts_least_recently_used():
     assert store.delete("a") and not store.delete("a") and store.used == size
 
 
-IMAGE = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+IMAGE = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJR"
+         "U5ErkJggg==")
 BAD = [
     ({"input": 5}, 400, "input"),
     ({"input": []}, 400, "input"),
@@ -184,6 +185,8 @@ BAD = [
     ({"input": "hi", "background": True}, 400, "background"),
     ({"input": "hi", "model": "other"}, 404, "model"),
     ({"input": "hi", "stream": "yes"}, 400, "stream"),
+    ({"input": "hi", "text": {"format": {"type": "json_object"}}}, 400, "text.format"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format"),
 ]
 
 
@@ -273,3 +276,18 @@ def test_k3_function_call_round_trip(k3):
                                 max_output_tokens=N, store=False)
     assert follow.output_text == whole.output_text and follow.usage.input_tokens == whole.usage.input_tokens
     assert follow.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_k3_text_format_equals_response_format(k3):
+    """text.format json_schema renders as the chat route's response_format: the same reply."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    user = [{"role": "user", "content": "Is 123 a prime?"}]
+    c = chat(k3, user, model="k3", reasoning_effort="none",
+             response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    plain = k3.responses.create(model="k3", input=user, reasoning={"effort": "none"}, temperature=0,
+                                max_output_tokens=N)
+    r = k3.responses.create(model="k3", input=user, reasoning={"effort": "none"}, temperature=0, max_output_tokens=N,
+                            text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+    assert r.usage.input_tokens == c.usage.prompt_tokens > plain.usage.input_tokens
+    assert r.output_text == (c.choices[0].message.content or "")
+    assert r.text.format.type == "json_schema" and r.text.format.schema_ == schema

@@ -95,8 +95,8 @@ def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, 
     ``model_id``. ``api_key``: required on every ``/v1`` route when set. ``max_body_mb``: larger request bodies
     get 413. ``keepalive_s``: a stream waiting longer than this for its next event (a long prefill) sends a
     keep-alive (an SSE comment; Anthropic: a ``ping`` event). ``responses_store_mb``: memory for stored Responses
-    API responses (``previous_response_id``; the least recently used go first). ``on_load_error(exc)``: called if loading fails (the
-    app keeps answering ``/health`` with 503)."""
+    API responses (``previous_response_id``; the least recently used go first). ``on_load_error(exc)``: called
+    if loading fails (the app keeps answering ``/health`` with 503)."""
     state = ServerState(model_id, api_key, int(max_body_mb * 2**20), keepalive_s)
     app = FastAPI(lifespan=_lifespan(state, source, on_load_error), docs_url=None, redoc_url=None)
     app.state.server = state

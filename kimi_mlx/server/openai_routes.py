@@ -172,12 +172,18 @@ def effort_thinking(backend: Backend, reasoning_effort: Optional[str], template_
     return resolve_thinking(backend, thinking, effort, param)
 
 
+def renderer_format(backend: Backend, response_format, param: str) -> Optional[dict]:
+    """A request's reply format (a ``ResponseFormat`` or ``ResponsesTextFormat``; None: text) as the renderer's;
+    the Kimi Linear chat format has no JSON mode (ApiError naming ``param``)."""
+    out = response_format.for_renderer() if response_format is not None else None
+    if backend.chat_format == "kimi_linear" and out is not None:
+        raise ApiError(400, f"{param}: the Kimi Linear chat format has no JSON mode (only text)", param)
+    return out
+
+
 async def _chat_prompt(backend: Backend, req: ChatCompletionRequest) -> Prompt:
     thinking, effort = effort_thinking(backend, req.reasoning_effort, req.chat_template_kwargs, "reasoning_effort")
-    response_format = req.response_format.for_renderer() if req.response_format is not None else None
-    if backend.chat_format == "kimi_linear" and response_format is not None:
-        raise ApiError(400, "response_format: the Kimi Linear chat format has no JSON mode (only text)",
-                       "response_format")
+    response_format = renderer_format(backend, req.response_format, "response_format")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice
     name = choice["function"]["name"] if isinstance(choice, dict) else None

@@ -7,7 +7,8 @@ follow each other form one assistant turn (reasoning, content, tool calls), a fu
 message answering its ``call_id``; ``input_image`` parts of user messages are images (``kimi_mlx.server.images``).
 Rendering, the token budget (``max_output_tokens``), sampling (``temperature``, ``top_p``), Kimi-K3 thinking
 (``reasoning.effort``, mapped as the chat route maps ``reasoning_effort``), tools and ``tool_choice`` are the Chat
-Completions route's (``openai_routes``, ``backend``).
+Completions route's (``openai_routes``, ``backend``), and so is ``text.format`` (JSON / JSON schema replies, as
+``response_format``; K3 only).
 
 Output items: ``reasoning`` (K3's reasoning as ``reasoning_text`` content; no summary), ``message`` (one
 ``output_text`` part) and ``function_call`` (``call_id`` the model's call id, ``arguments`` JSON text). ``status``
@@ -31,6 +32,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import logging
 import time
 import uuid
 from typing import Optional
@@ -43,11 +45,12 @@ from .backend import (Backend, Prompt, choose_tools, render_prompt, reply_budget
 from .errors import GENERATION_FAILED, ApiError
 from .generation import Generation, Piece
 from .images import ImageRef, prepare_images
-from .openai_routes import KEEPALIVE, check_finish, collect, effort_thinking
+from .openai_routes import KEEPALIVE, check_finish, collect, effort_thinking, renderer_format
 from .response_store import ResponseStore
 from .schemas import ResponsesRequest, parse, request_body
 
 router = APIRouter()
+log = logging.getLogger("kimi_mlx.server")
 
 
 # ------------------------------------------------------------------------------------------------------- input
@@ -86,7 +89,8 @@ def _joins(turn: Optional[dict], kind: str) -> bool:
 
 
 def _messages(items: list[dict], images, instructions: Optional[str]) -> list[dict]:
-    """The conversation's items as the chat renderer's message dicts (``instructions`` first, as a system one)."""
+    """The conversation's items as the chat renderer's message dicts (``instructions`` first, as a system one;
+    reasoning items without text are left out)."""
     out: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
     for item in items:
         kind = item["type"]
@@ -95,7 +99,7 @@ def _messages(items: list[dict], images, instructions: Optional[str]) -> list[di
             out.append({"role": role, "content": _content(item["content"], images)})
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
-        else:
+        elif kind != "reasoning" or item["text"]:
             if not _joins(out[-1] if out else None, kind):
                 out.append({"role": "assistant", "content": None})
             turn = out[-1]
@@ -118,11 +122,13 @@ async def _prompt(backend: Backend, req: ResponsesRequest, items: list[dict], of
     choice = req.tool_choice
     name = choice["name"] if isinstance(choice, dict) else None
     tools, choice = choose_tools(backend, tools, "function" if name else choice, name, "tool_choice")
+    response_format = renderer_format(backend, req.text.format if req.text else None, "text.format")
     images = await prepare_images(_image_refs(items, offset), backend.image_encoder, backend.image_limits,
                                   backend.no_images)
     try:
         return render_prompt(backend, _messages(items, iter(images), req.instructions), tools=tools,
-                             thinking=thinking, thinking_effort=effort, tool_choice=choice, images=images)
+                             thinking=thinking, thinking_effort=effort, tool_choice=choice,
+                             response_format=response_format, images=images)
     except ApiError as e:
         if e.param != "messages":
             raise
@@ -234,6 +240,11 @@ def _part(kind: str, text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def _text_format(req: ResponsesRequest) -> dict:
+    given = req.text.format if req.text else None
+    return given.model_dump(by_alias=True, exclude_none=True) if given is not None else {"type": "text"}
+
+
 class _Turn:
     """One response being made: its id, the conversation it continues (``items``), its ``_Output``, the count of
     reasoning tokens, and the response object in each state."""
@@ -262,7 +273,7 @@ class _Turn:
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
             "store": req.store is not False, "temperature": req.temperature, "top_p": req.top_p,
-            "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
+            "text": {"format": _text_format(req)}, "tool_choice": req.tool_choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []], "truncation": "disabled",
             "metadata": req.metadata or {}, "usage": self._usage(gen) if gen is not None else None,
         }
@@ -279,8 +290,8 @@ class _Turn:
         status = "incomplete" if gen.reason == "length" else "completed"
         events = self.output.close(status)
         response = self.response(status, gen)
-        if self.req.store is not False:
-            self.store.put(response, self.items + self.output.as_input())
+        if self.req.store is not False and not self.store.put(response, self.items + self.output.as_input()):
+            log.info(f"POST /v1/responses | {self.id} not stored: larger than --responses-store-mb")
         return events, response
 
 

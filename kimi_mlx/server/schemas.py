@@ -1,6 +1,6 @@
-"""Request bodies of the OpenAI (chat completions, completions) and Anthropic (messages, count_tokens) APIs as
-pydantic models: strict types (a string where a number belongs is an error, not a conversion; an integer may be
-written ``2.0``, as both APIs take it), documented ranges, unknown fields ignored (as OpenAI does), an explicit
+"""Request bodies of the OpenAI (chat completions, completions, responses) and Anthropic (messages, count_tokens)
+APIs as pydantic models: strict types (a string where a number belongs is an error, not a conversion; an integer may
+be written ``2.0``, as both APIs take it), documented ranges, unknown fields ignored (as OpenAI does), an explicit
 ``null`` the same as leaving a field out. ``parse(model, body)`` turns the raw body into one, or an ``ApiError``
 (400) whose ``param`` names the field, as ``messages[1].content``; a body nested deeper than ``MAX_JSON_DEPTH``
 arrays and objects is refused before it is decoded.
@@ -8,9 +8,10 @@ arrays and objects is refused before it is decoded.
 Message content is validated here: text (a string, or a list of text parts) and, in user messages, images (OpenAI
 ``image_url`` parts with a ``data:`` or ``http(s)`` URL, Anthropic ``image`` blocks with a ``base64`` or ``url``
 source); audio, file and document parts are refused. Only the shape is checked here; the routes read the images
-(``kimi_mlx.server.images``). An error in one part of a list names it: ``messages[0].content[1]``. Fields whose
-shape the validators check by hand carry that shape as their JSON schema (``WithJsonSchema``), so the server's
-``/openapi.json`` (``kimi_mlx.server.app``) describes what it accepts.
+(``kimi_mlx.server.images``). An error in one part of a list names it: ``messages[0].content[1]``. Responses API
+``input`` items are checked and normalized by ``response_items``. Fields whose shape the validators check by hand
+carry that shape as their JSON schema (``WithJsonSchema``), so the server's ``/openapi.json``
+(``kimi_mlx.server.app``) describes what it accepts.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import re
 from typing import Annotated, Any, Literal, Optional
 
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator,
+                      model_validator)
 
 from .errors import ApiError
 from .images import MEDIA_TYPES
@@ -449,10 +451,11 @@ class CompletionRequest(_Sampling):
 # ---------------------------------------------------------------------------------------------------- Responses
 
 _INPUT_TEXT = _object(("type", "text"), type={"enum": ["input_text", "output_text"]}, text=_STR)
-_INPUT_IMAGE = _object(("type", "image_url"), type={"const": "input_image"}, image_url={"type": "string", "minLength": 1},
-                       detail={"enum": ["auto", "low", "high"]})
+_INPUT_IMAGE = _object(("type", "image_url"), type={"const": "input_image"},
+                       image_url={"type": "string", "minLength": 1}, detail={"enum": ["auto", "low", "high"]})
 _RESPONSE_ITEM = {"anyOf": [
-    _object(("role", "content"), type={"const": "message"}, role={"enum": ["user", "assistant", "system", "developer"]},
+    _object(("role", "content"), type={"const": "message"},
+            role={"enum": ["user", "assistant", "system", "developer"]},
             content={"anyOf": [_STR, {"type": "array", "items": {"anyOf": [_INPUT_TEXT, _INPUT_IMAGE]}}]}),
     _object(("type", "call_id", "name", "arguments"), type={"const": "function_call"}, call_id=_STR, name=_STR,
             arguments=_STR),
@@ -526,8 +529,8 @@ def response_items(value: Any) -> list[dict]:
                         "output": _text_parts(i, item.get("output"), ("input_text", "output_text"), "output")})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            out.append({"type": "reasoning",
-                        "text": _text_parts(i, parts, ("reasoning_text", "summary_text"), "a reasoning item's content")})
+            text = _text_parts(i, parts, ("reasoning_text", "summary_text"), "a reasoning item's content")
+            out.append({"type": "reasoning", "text": text})
         else:
             raise PartError(i, f"type {kind!r}: the input items this server takes are message, function_call, "
                                f"function_call_output and reasoning")
@@ -542,6 +545,35 @@ class ResponsesTool(_Body):
     description: Optional[str] = None
     parameters: Optional[dict] = None
     strict: Optional[bool] = None
+
+
+class ResponsesTextFormat(_Body):
+    """``text.format``: plain text, JSON, or JSON following ``schema`` (the Responses API's flat shape)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.schema_ is None and self.type == "json_schema":
+            raise ValueError("type 'json_schema' needs a 'schema'")
+        return self
+
+    def for_renderer(self) -> Optional[dict]:
+        """What ``kimi_mlx.chat.format`` takes (as ``ResponseFormat.for_renderer``): None for plain text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "json_schema": {"schema": self.schema_}}
+
+
+class ResponsesText(_Body):
+    format: Optional[ResponsesTextFormat] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
 
 
 class ResponsesReasoning(_Body):
@@ -562,6 +594,7 @@ class ResponsesRequest(_Body):
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, ge=0, le=1)
     reasoning: Optional[ResponsesReasoning] = None
+    text: Optional[ResponsesText] = None
     store: Optional[bool] = None
     previous_response_id: Optional[str] = None
     background: Optional[bool] = None
