@@ -555,7 +555,7 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "serve: response_format text passed on with its extra keys (refused by the Kimi Linear route)",
-        (("kimi_mlx/server/schemas.py", "        if self.type == \"text\":\n            return None\n", ""),),
+        (("kimi_mlx/server/schemas.py", "    if kind == \"text\":\n        return None\n", ""),),
         ("tests/test_server_errors.py::test_accepted_edge_values",),
     ),
     PlantedBug(

@@ -285,12 +285,14 @@ class _Turn:
                 "total_tokens": gen.prompt_tokens + gen.completion_tokens}
 
     def finish(self, gen: Generation) -> tuple[list[dict], dict]:
-        """The closing events and the final response (``completed``, or ``incomplete`` at the token limit), kept
-        in the store unless ``store`` is false."""
-        status = "incomplete" if gen.reason == "length" else "completed"
-        events = self.output.close(status)
+        """The closing events and the final response (``completed``, ``incomplete`` at the token limit, or
+        ``cancelled`` when the client left), kept in the store unless ``store`` is false or it was cancelled."""
+        status = {"length": "incomplete", "cancelled": "cancelled"}.get(gen.reason, "completed")
+        events = self.output.close(status if status != "cancelled" else "incomplete")
         response = self.response(status, gen)
-        if self.req.store is not False and not self.store.put(response, self.items + self.output.as_input()):
+        if self.req.store is False or status == "cancelled":
+            return events, response
+        if not self.store.put(response, self.items + self.output.as_input()) and self.store.budget:
             log.info(f"POST /v1/responses | {self.id} not stored: larger than --responses-store-mb")
         return events, response
 

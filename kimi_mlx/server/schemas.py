@@ -344,6 +344,16 @@ class JsonSchemaFormat(_Body):
     strict: Optional[bool] = None
 
 
+def reply_format(kind: str, schema: Optional[dict]) -> Optional[dict]:
+    """A reply format (``text``, ``json_object``, ``json_schema`` with its ``schema``) as ``kimi_mlx.chat.format``
+    takes it: None for plain text."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"schema": schema}}
+
+
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = Field(None, validate_default=True)
@@ -356,12 +366,7 @@ class ResponseFormat(_Body):
         return v
 
     def for_renderer(self) -> Optional[dict]:
-        """What ``kimi_mlx.chat.format`` takes: None for plain text."""
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return {"type": "json_object"}
-        return {"type": "json_schema", "json_schema": {"schema": self.json_schema.schema_}}
+        return reply_format(self.type, self.json_schema.schema_ if self.json_schema is not None else None)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -563,12 +568,7 @@ class ResponsesTextFormat(_Body):
         return self
 
     def for_renderer(self) -> Optional[dict]:
-        """What ``kimi_mlx.chat.format`` takes (as ``ResponseFormat.for_renderer``): None for plain text."""
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return {"type": "json_object"}
-        return {"type": "json_schema", "json_schema": {"schema": self.schema_}}
+        return reply_format(self.type, self.schema_)
 
 
 class ResponsesText(_Body):
