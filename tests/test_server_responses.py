@@ -1,19 +1,22 @@
 """The OpenAI Responses API (``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``) of a real ``kimi-mlx
 serve`` process, driven by the official ``openai`` client (``responses.create`` and ``responses.stream``, whose
 event parser refuses events out of order). Expected values come from the server's own Chat Completions route for
-the same conversation (greedy): the same text and token counts, whole and streamed; a function-call round trip
-(items in the input on the demo model; a forced call on the Kimi-K3 fixture, also giving a reasoning item);
-``previous_response_id`` equal to sending the whole conversation, with the prefix cache supplying the shared
-tokens; the store's byte budget; malformed requests getting OpenAI's error shape and a 4xx while the server keeps
-serving. Structured replies (``text.format``) render as the chat route's ``response_format``.
+the same conversation (greedy): the same text and token counts, whole and streamed; function-call round trips
+(items in the input on the demo model and on the Kimi-K3 fixture, a forced tool_choice), K3 reasoning items,
+structured replies (``text.format`` as chat's ``response_format``), images (the K3 vision fixture: ``input_image``
+as chat's ``image_url``); ``previous_response_id`` equal to sending the whole conversation, with the prefix cache
+supplying the shared tokens; stored responses and the store's byte budget; malformed requests getting OpenAI's
+error shape and a 4xx while the server keeps serving. The stream events of an output with every item kind
+(reasoning, text, function calls) go through the client's own event accumulator.
 """
 
+import base64
 import json
 
 import httpx2 as httpx
 import openai
 import pytest
-from conftest import K3_FIXTURE
+from conftest import K3_FIXTURE, SHARED
 from serve_helpers import Server
 from xtml_tokenizer import write_xtml_tokenizer_dir
 
@@ -291,3 +294,109 @@ def test_k3_text_format_equals_response_format(k3):
     assert r.usage.input_tokens == c.usage.prompt_tokens > plain.usage.input_tokens
     assert r.output_text == (c.choices[0].message.content or "")
     assert r.text.format.type == "json_schema" and r.text.format.schema_ == schema
+
+
+# ------------------------------------------------------------------------------------------------------- images
+
+
+@pytest.fixture(scope="module")
+def k3v(tmp_path_factory):
+    flags = ["--model", str(SHARED / "fixtures" / "k3_vision" / "k3-vl-tiny"), "--served-model-name", "k3v",
+             "--dtype", "float32", "--max-tokens", str(N)]
+    with Server(flags, tmp_path_factory.mktemp("serve-k3v"), tmp_path_factory.getbasetemp() / "kimi-mlx-home") as s:
+        yield openai.OpenAI(base_url=s.url, api_key="none", max_retries=0)
+
+
+def test_input_image_equals_chat_image_url(k3v):
+    """An input_image part (a data: URL) reaches the model as the chat route's image_url part does: the same
+    reply and prompt tokens (the image's placeholders included); a bad image names its part."""
+    png = SHARED / "fixtures" / "k3_vision" / "images" / "img0_rgb_224x168.png"
+    url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+    c = chat(k3v, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                {"type": "text", "text": "Describe this image."}]}], model="k3v")
+    r = k3v.responses.create(model="k3v", temperature=0, max_output_tokens=N, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": url, "detail": "auto"},
+                                     {"type": "input_text", "text": "Describe this image."}]}])
+    assert c.usage.prompt_tokens_details.image_tokens > 0
+    assert r.usage.input_tokens == c.usage.prompt_tokens and r.output_text == (c.choices[0].message.content or "")
+    assert [i.content[0].text for i in r.output if i.type == "reasoning"] == \
+        ([c.choices[0].message.reasoning_content] if c.choices[0].message.reasoning_content else [])
+    with pytest.raises(openai.BadRequestError) as e:
+        k3v.responses.create(model="k3v", max_output_tokens=N, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Look:"},
+                                         {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}])
+    assert e.value.body["param"] == "input[0].content[1]"
+
+
+# ------------------------------------------------------------------------------------------------------- events
+
+
+class _Finished:
+    """A generation already done: its pieces and counts (what ``_events`` reads of a ``Generation``)."""
+
+    def __init__(self, pieces, reason="stop"):
+        self.pieces, self.reason = pieces, reason
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens = 9, len(pieces), 4
+
+    async def __aiter__(self):
+        for piece in self.pieces:
+            yield piece
+
+
+def test_every_item_kind_streams_through_the_clients_accumulator():
+    """Reasoning, text and two function calls streamed: the official client's accumulator takes every event in
+    order and its final response holds the items the events built, equal to the response object."""
+    import asyncio
+
+    from openai._models import construct_type
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    from kimi_mlx.chat.parser import ReplyEvent, ToolCall
+    from kimi_mlx.server.generation import Piece
+    from kimi_mlx.server.responses_routes import _events, _Turn
+    from kimi_mlx.server.schemas import ResponsesRequest, parse
+
+    tok = object()
+    pieces = [Piece(tok, events=[ReplyEvent("reasoning", "Need ")]),
+              Piece(tok, events=[ReplyEvent("reasoning", "it.")]),
+              Piece(tok, events=[ReplyEvent("content", "Checking")]),
+              Piece(tok, events=[
+                  ReplyEvent("tool_call", tool_call=ToolCall("get_weather", {"city": "Paris"},
+                                                             "functions.get_weather:0")),
+                  ReplyEvent("tool_call", tool_call=ToolCall("get_weather", {}, "functions.get_weather:1",
+                                                             raw_arguments='{"city": "Rome"}'))]),
+              Piece(None)]
+    req = parse(ResponsesRequest, json.dumps({"input": "Weather?", "tools": [TOOL]}).encode())
+    store = ResponseStore(1 << 20)
+    turn = _Turn(req, req.input, "demo", store)
+
+    async def run():
+        return [chunk async for chunk in _events(turn, _Finished(pieces), 60)]
+
+    state = ResponseStreamState(input_tools=[TOOL], text_format=openai.omit)
+    events = []
+    for chunk in asyncio.run(run()):
+        name, data = chunk.split("\n")[:2]
+        payload = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {payload['type']}"
+        events += state.handle_event(construct_type(type_=ResponseStreamEvent, value=payload))
+    final = state._completed_response
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [i.type for i in final.output] == ["reasoning", "message", "function_call", "function_call"]
+    assert final.output[0].content[0].text == "Need it." and final.output_text == "Checking"
+    calls = [(i.call_id, i.name, json.loads(i.arguments)) for i in final.output[2:]]
+    assert calls == [("functions.get_weather:0", "get_weather", {"city": "Paris"}),
+                     ("functions.get_weather:1", "get_weather", {"city": "Rome"})]
+    assert [e.type for e in events if "function_call_arguments" in e.type] == \
+        ["response.function_call_arguments.delta", "response.function_call_arguments.done"] * 2
+    built = [e.snapshot for e in events if e.type in ("response.output_text.delta",
+                                                      "response.function_call_arguments.delta")]
+    assert built == ["Checking", '{"city": "Paris"}', '{"city": "Rome"}']  # the client's sums of the deltas
+    kept = store.get(final.id)
+    assert kept.response["status"] == final.status == "completed" and len(kept.response["output"]) == 4
+    assert kept.items[-2:] == ({"type": "function_call", "call_id": "functions.get_weather:0", "name": "get_weather",
+                                "arguments": '{"city": "Paris"}'},
+                               {"type": "function_call", "call_id": "functions.get_weather:1", "name": "get_weather",
+                                "arguments": '{"city": "Rome"}'})
+    assert final.usage.output_tokens_details.reasoning_tokens == 2
