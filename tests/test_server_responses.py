@@ -12,6 +12,7 @@ error shape and a 4xx while the server keeps serving. The stream events of an ou
 
 import base64
 import json
+import time
 
 import httpx2 as httpx
 import openai
@@ -199,6 +200,30 @@ def test_malformed_requests(server, body, status, param):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] and err["message"], err
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_client_leaving_stops_the_generation(server, oai, stream):
+    """A client that goes away (a stream closed after its first delta, or a whole reply given up on): its
+    generation stops well before its 20000 tokens (greedy demo text runs on without an end): one log line that says
+    so."""
+    before = server.log().count("POST /v1/responses |")
+    body = {"model": "demo", "input": "Tell me a long story", "max_output_tokens": 20000, "temperature": 0}
+    if stream:
+        with oai.responses.stream(**body) as s:
+            next(e for e in s if e.type == "response.output_text.delta")
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/responses", json=body, timeout=httpx.Timeout(30, read=0.5))
+    for _ in range(100):
+        stats = httpx.get(server.base + "/health").json()["stats"]
+        if stats["running"] == 0 and stats["prefilling"] == 0:
+            break
+        time.sleep(0.05)
+    assert stats["running"] == 0, stats
+    lines = [line for line in server.log().splitlines() if "POST /v1/responses |" in line][before:]
+    assert len(lines) == 1 and lines[0].endswith(("client disconnected", "cancelled")), lines
+    assert int(lines[0].split("generated ")[1].split(" tok")[0]) < 20000
 
 
 def test_still_serving(server, oai):
