@@ -46,7 +46,8 @@ def byte_size(text: str) -> int:
 
 def add_parser(commands) -> None:
     p = commands.add_parser("serve", description="Serve a Kimi Linear / Kimi-K3 model over the OpenAI "
-                            "(/v1/chat/completions, /v1/completions, /v1/models) and Anthropic (/v1/messages) APIs.")
+                            "(/v1/chat/completions, /v1/completions, /v1/responses, /v1/models) and Anthropic "
+                            "(/v1/messages) APIs.")
     add_model_args(p)
     add_sampling_args(p, max_tokens=2048)
     add_chat_args(p)
