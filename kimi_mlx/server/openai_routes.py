@@ -10,7 +10,8 @@ low, ``medium``/``high`` -> high, ``xhigh``/``max`` -> max: K3 knows low, high a
 reported within [``LOGPROB_FLOOR``, 0] (JSON has no -Infinity or NaN). Images: ``image_url`` parts of user messages
 (``data:`` URLs; ``http(s)`` with ``--allow-image-urls``; ``detail`` is accepted and ignored), read and prepared by
 ``kimi_mlx.server.images``; ``usage.prompt_tokens`` counts their placeholder tokens (``cached_tokens`` those the
-prefix cache supplied; ``prompt_tokens_details.image_tokens`` all of them).
+prefix cache supplied; ``prompt_tokens_details.image_tokens`` all of them). The Responses API
+(``responses_routes``) shares ``effort_thinking``, ``renderer_format``, ``collect`` and ``check_finish``.
 """
 
 from __future__ import annotations
