@@ -555,7 +555,7 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "serve: response_format text passed on with its extra keys (refused by the Kimi Linear route)",
-        (("kimi_mlx/server/schemas.py", "        if self.type == \"text\":\n            return None\n", ""),),
+        (("kimi_mlx/server/schemas.py", "    if kind == \"text\":\n        return None\n", ""),),
         ("tests/test_server_errors.py::test_accepted_edge_values",),
     ),
     PlantedBug(
@@ -865,6 +865,23 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/vision/tower.py", "q[:, :, i : i + block], k, v, scale=scale)",
           "q[:, :, i : i + block], k[:, :, i : i + block], v[:, :, i : i + block], scale=scale)"),),
         ("tests/test_vision_tower.py::test_attention_in_query_blocks_matches_mlx_vlm",),
+    ),
+    # -- OpenAI Responses API
+    PlantedBug(
+        "responses: previous_response_id ignored (only the new input is rendered)",
+        (("kimi_mlx/server/responses_routes.py", "    items = history + req.input\n", "    items = req.input\n"),),
+        ("tests/test_server_responses.py::test_previous_response_id_equals_the_whole_conversation",),
+    ),
+    PlantedBug(
+        "responses: stream events out of order (an item's content_part.added before its output_item.added)",
+        (("kimi_mlx/server/responses_routes.py",
+          """        return [{"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                 "item": copy.deepcopy(item)},
+                {**self._at(), "type": "response.content_part.added", "part": _part(kind, "")}]""",
+          """        return [{**self._at(), "type": "response.content_part.added", "part": _part(kind, "")},
+                {"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                 "item": copy.deepcopy(item)}]"""),),
+        ("tests/test_server_responses.py::test_stream_event_sequence",),
     ),
 )
 

@@ -69,7 +69,8 @@ def test_two_ranks_serve_the_single_process_output(mode, tmp_path):
 
 def test_two_ranks_serve_chat_completions_over_http(tmp_path):
     """``mlx.launch -n 2 -- kimi-mlx serve --parallel pipeline``: rank 0 answers the OpenAI client (streamed and
-    not, two conversations at once) with the single-process greedy text of the rendered conversation."""
+    not, two conversations at once; then the Responses API, whole and streamed) with the single-process greedy text
+    of the rendered conversation."""
     import concurrent.futures
     import os
     import signal
@@ -116,6 +117,10 @@ def test_two_ranks_serve_chat_completions_over_http(tmp_path):
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda a: ask(*a), [(m, s) for m in chats for s in (False, True)]))
+        kw = dict(model=str(model_dir), input=chats[0], max_output_tokens=12, temperature=0)
+        got.append(client.responses.create(**kw).output_text)
+        with client.responses.stream(**kw) as stream:
+            got.append("".join(e.delta for e in stream if e.type == "response.output_text.delta"))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
@@ -124,7 +129,7 @@ def test_two_ranks_serve_chat_completions_over_http(tmp_path):
     assert not ranks_left, f"ranks still running 45 s after SIGTERM: {ranks_left}"
     model, tok = load(model_dir, dtype=mx.float32)
     want = [generate(model, tok, render_chat(tok, m), 12, stop_strings=()) for m in chats]
-    assert got == [want[0], want[0], want[1], want[1]], (tmp_path / "serve.log").read_text()
+    assert got == [want[0], want[0], want[1], want[1], want[0], want[0]], (tmp_path / "serve.log").read_text()
 
 
 def _wait_for_group_exit(pgid: int, timeout_s: float) -> list[str]:

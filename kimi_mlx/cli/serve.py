@@ -46,7 +46,8 @@ def byte_size(text: str) -> int:
 
 def add_parser(commands) -> None:
     p = commands.add_parser("serve", description="Serve a Kimi Linear / Kimi-K3 model over the OpenAI "
-                            "(/v1/chat/completions, /v1/completions, /v1/models) and Anthropic (/v1/messages) APIs.")
+                            "(/v1/chat/completions, /v1/completions, /v1/responses, /v1/models) and Anthropic "
+                            "(/v1/messages) APIs.")
     add_model_args(p)
     add_sampling_args(p, max_tokens=2048)
     add_chat_args(p)
@@ -73,6 +74,9 @@ def add_parser(commands) -> None:
     p.add_argument("--max-kv-size", type=int, default=1 << 20, metavar="N",
                    help="most tokens one request may hold, prompt + reply (default: 1048576, Kimi's context)")
     p.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB", help="largest request body")
+    p.add_argument("--responses-store-mb", type=float, default=64.0, metavar="MB",
+                   help="memory for stored /v1/responses responses (previous_response_id; least recently used go "
+                        "first; 0 keeps none)")
     _add_image_args(p)
     p.set_defaults(run=run)
 
@@ -104,6 +108,8 @@ def _check(args: argparse.Namespace) -> None:
                         ("--image-url-timeout", args.image_url_timeout)):
         if not 0 < value:
             raise ValueError(f"{flag} {value}: must be > 0")
+    if args.responses_store_mb < 0:
+        raise ValueError(f"--responses-store-mb {args.responses_store_mb}: must be >= 0")
     if args.parallel and args.adapter_path:
         raise ValueError("--adapter-path with --parallel is not supported; merge the adapter first (kimi-mlx fuse)")
 
@@ -220,7 +226,7 @@ def _serve(args: argparse.Namespace, group) -> int:
         server.should_exit = True
 
     app = create_app(load, model_id=model_id, api_key=args.api_key, max_body_mb=args.max_body_mb,
-                     on_load_error=load_failed)
+                     responses_store_mb=args.responses_store_mb, on_load_error=load_failed)
     if not _loopback(args.host) and args.api_key is None:
         log.warning(f"kimi-mlx serve: listening on {args.host} without --api-key: anyone who can reach it may use it")
     log.info(f"kimi-mlx serve: loading {args.model}; {url} answers /health with 503 until it is ready")

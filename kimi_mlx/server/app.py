@@ -1,4 +1,5 @@
-"""The ASGI app: OpenAI and Anthropic routes (``openai_routes``, ``anthropic_routes``), ``GET``/``HEAD /health``,
+"""The ASGI app: OpenAI (Chat Completions, Completions, Responses) and Anthropic routes (``openai_routes``,
+``responses_routes``, ``anthropic_routes``), ``GET``/``HEAD /health``,
 ``GET /openapi.json`` (the request bodies' schemas are the request models', ``kimi_mlx.server.schemas``), the API
 key, and errors as JSON in the route's style — OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error",
 ...}`` on ``/v1/messages*``. Bad input never produces a traceback for the client; an unexpected failure is a 500
@@ -30,9 +31,10 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from . import anthropic_routes, openai_routes
+from . import anthropic_routes, openai_routes, responses_routes
 from .backend import Backend, ServerState
 from .errors import INTERNAL_ERROR, ApiError
+from .response_store import ResponseStore
 from .schemas import REQUEST_MODELS
 
 log = logging.getLogger("kimi_mlx.server")
@@ -87,18 +89,21 @@ def openapi_schema(app: FastAPI, model_id: str, api_key: bool) -> dict:
 
 
 def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, api_key: Optional[str] = None,
-               max_body_mb: float = 16.0, keepalive_s: float = 10.0,
+               max_body_mb: float = 16.0, keepalive_s: float = 10.0, responses_store_mb: float = 64.0,
                on_load_error: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
     """The app serving ``source`` (a ready ``Backend``, or a function loading one in the background) as
     ``model_id``. ``api_key``: required on every ``/v1`` route when set. ``max_body_mb``: larger request bodies
     get 413. ``keepalive_s``: a stream waiting longer than this for its next event (a long prefill) sends a
-    keep-alive (an SSE comment; Anthropic: a ``ping`` event). ``on_load_error(exc)``: called if loading fails (the
-    app keeps answering ``/health`` with 503)."""
+    keep-alive (an SSE comment; Anthropic: a ``ping`` event). ``responses_store_mb``: memory for stored Responses
+    API responses (``previous_response_id``; the least recently used go first). ``on_load_error(exc)``: called
+    if loading fails (the app keeps answering ``/health`` with 503)."""
     state = ServerState(model_id, api_key, int(max_body_mb * 2**20), keepalive_s)
     app = FastAPI(lifespan=_lifespan(state, source, on_load_error), docs_url=None, redoc_url=None)
     app.state.server = state
+    app.state.responses = ResponseStore(int(responses_store_mb * 2**20))
     app.include_router(openai_routes.router, dependencies=[Depends(_check_key)])
     app.include_router(anthropic_routes.router, dependencies=[Depends(_check_key)])
+    app.include_router(responses_routes.router, dependencies=[Depends(_check_key)])
     app.openapi = functools.partial(_cached_openapi_schema, app, model_id, api_key is not None)
     app.head("/health", operation_id="health_head")(app.get("/health")(health))
     _add_error_handlers(app)

@@ -10,7 +10,8 @@ low, ``medium``/``high`` -> high, ``xhigh``/``max`` -> max: K3 knows low, high a
 reported within [``LOGPROB_FLOOR``, 0] (JSON has no -Infinity or NaN). Images: ``image_url`` parts of user messages
 (``data:`` URLs; ``http(s)`` with ``--allow-image-urls``; ``detail`` is accepted and ignored), read and prepared by
 ``kimi_mlx.server.images``; ``usage.prompt_tokens`` counts their placeholder tokens (``cached_tokens`` those the
-prefix cache supplied; ``prompt_tokens_details.image_tokens`` all of them).
+prefix cache supplied; ``prompt_tokens_details.image_tokens`` all of them). The Responses API
+(``responses_routes``) shares ``effort_thinking``, ``renderer_format``, ``collect`` and ``check_finish``.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _usage(gen: Generation) -> dict:
             "total_tokens": gen.prompt_tokens + gen.completion_tokens, "prompt_tokens_details": details}
 
 
-def _check_finish(gen: Generation) -> None:
+def check_finish(gen: Generation) -> None:
     if gen.reason == "error":
         raise ApiError(500, GENERATION_FAILED)
 
@@ -93,7 +94,7 @@ def _chat_logprobs(tokenizer, gen: Generation, piece) -> Optional[list]:
     return [entry]
 
 
-async def _collect(request: Request, gen: Generation):
+async def collect(request: Request, gen: Generation):
     """Every piece of ``gen`` (a reply sent whole), cancelling it if the client disconnects meanwhile."""
     watcher = asyncio.ensure_future(watch_disconnect(request, gen.stream))
     try:
@@ -155,25 +156,35 @@ def _message(m: ChatMessage, images) -> dict:
     return out
 
 
-def _thinking(backend: Backend, req: ChatCompletionRequest) -> tuple[Optional[bool], Optional[str]]:
-    kwargs = req.chat_template_kwargs or {}
+def effort_thinking(backend: Backend, reasoning_effort: Optional[str], template_kwargs: Optional[dict],
+                    effort_param: str) -> tuple[Optional[bool], Optional[str]]:
+    """``(thinking, effort)`` for the renderer from OpenAI's ``reasoning_effort`` (``none`` turns thinking off,
+    the others on at K3's effort in ``EFFORTS``) and ``chat_template_kwargs`` (which win where both say); an error
+    names ``effort_param`` when the effort was given."""
+    kwargs = template_kwargs or {}
     thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
     effort = kwargs.get("thinking_effort")
-    if req.reasoning_effort == "none":
+    if reasoning_effort == "none":
         thinking = False if thinking is None else thinking
-    elif req.reasoning_effort is not None:
+    elif reasoning_effort is not None:
         thinking = True if thinking is None else thinking
-        effort = effort or EFFORTS[req.reasoning_effort]
-    param = "reasoning_effort" if req.reasoning_effort is not None else "chat_template_kwargs"
+        effort = effort or EFFORTS[reasoning_effort]
+    param = effort_param if reasoning_effort is not None else "chat_template_kwargs"
     return resolve_thinking(backend, thinking, effort, param)
 
 
+def renderer_format(backend: Backend, response_format, param: str) -> Optional[dict]:
+    """A request's reply format (a ``ResponseFormat`` or ``ResponsesTextFormat``; None: text) as the renderer's;
+    the Kimi Linear chat format has no JSON mode (ApiError naming ``param``)."""
+    out = response_format.for_renderer() if response_format is not None else None
+    if backend.chat_format == "kimi_linear" and out is not None:
+        raise ApiError(400, f"{param}: the Kimi Linear chat format has no JSON mode (only text)", param)
+    return out
+
+
 async def _chat_prompt(backend: Backend, req: ChatCompletionRequest) -> Prompt:
-    thinking, effort = _thinking(backend, req)
-    response_format = req.response_format.for_renderer() if req.response_format is not None else None
-    if backend.chat_format == "kimi_linear" and response_format is not None:
-        raise ApiError(400, "response_format: the Kimi Linear chat format has no JSON mode (only text)",
-                       "response_format")
+    thinking, effort = effort_thinking(backend, req.reasoning_effort, req.chat_template_kwargs, "reasoning_effort")
+    response_format = renderer_format(backend, req.response_format, "response_format")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice
     name = choice["function"]["name"] if isinstance(choice, dict) else None
@@ -218,7 +229,7 @@ async def chat_completions(request: Request):
         usage = req.stream_options is not None and req.stream_options.include_usage
         return sse_response(_chat_chunks(backend, gen, reply, usage, state.keepalive_s), gen.stream)
     content, reasoning, calls, logprobs = [], [], [], []
-    for piece in await _collect(request, gen):
+    for piece in await collect(request, gen):
         for ev in piece.events:
             if ev.kind == "content":
                 content.append(ev.text)
@@ -227,7 +238,7 @@ async def chat_completions(request: Request):
             elif ev.kind == "tool_call":
                 calls.append(_tool_call_json(ev.tool_call, len(calls)))
         logprobs += _chat_logprobs(backend.tokenizer, gen, piece) or []
-    _check_finish(gen)
+    check_finish(gen)
     message: dict = {"role": "assistant", "content": "".join(content) if content or not calls else None}
     if reasoning:
         message["reasoning_content"] = message["reasoning"] = "".join(reasoning)
@@ -313,10 +324,10 @@ async def completions(request: Request):
         chunks = _completion_chunks(backend, gen, reply, req.logprobs is not None, usage, state.keepalive_s)
         return sse_response(chunks, gen.stream)
     text, logprobs = "", _new_logprobs()
-    for piece in await _collect(request, gen):
+    for piece in await collect(request, gen):
         _completion_logprobs(backend.tokenizer, gen, piece, len(text), logprobs)
         text += piece.text
-    _check_finish(gen)
+    check_finish(gen)
     choice = {"index": 0, "text": text, "logprobs": logprobs if req.logprobs is not None else None,
               "finish_reason": "length" if gen.reason == "length" else "stop"}
     return reply.envelope("text_completion", [choice], _usage(gen))

@@ -1,6 +1,6 @@
-"""Request bodies of the OpenAI (chat completions, completions) and Anthropic (messages, count_tokens) APIs as
-pydantic models: strict types (a string where a number belongs is an error, not a conversion; an integer may be
-written ``2.0``, as both APIs take it), documented ranges, unknown fields ignored (as OpenAI does), an explicit
+"""Request bodies of the OpenAI (chat completions, completions, responses) and Anthropic (messages, count_tokens)
+APIs as pydantic models: strict types (a string where a number belongs is an error, not a conversion; an integer may
+be written ``2.0``, as both APIs take it), documented ranges, unknown fields ignored (as OpenAI does), an explicit
 ``null`` the same as leaving a field out. ``parse(model, body)`` turns the raw body into one, or an ``ApiError``
 (400) whose ``param`` names the field, as ``messages[1].content``; a body nested deeper than ``MAX_JSON_DEPTH``
 arrays and objects is refused before it is decoded.
@@ -8,9 +8,10 @@ arrays and objects is refused before it is decoded.
 Message content is validated here: text (a string, or a list of text parts) and, in user messages, images (OpenAI
 ``image_url`` parts with a ``data:`` or ``http(s)`` URL, Anthropic ``image`` blocks with a ``base64`` or ``url``
 source); audio, file and document parts are refused. Only the shape is checked here; the routes read the images
-(``kimi_mlx.server.images``). An error in one part of a list names it: ``messages[0].content[1]``. Fields whose
-shape the validators check by hand carry that shape as their JSON schema (``WithJsonSchema``), so the server's
-``/openapi.json`` (``kimi_mlx.server.app``) describes what it accepts.
+(``kimi_mlx.server.images``). An error in one part of a list names it: ``messages[0].content[1]``. Responses API
+``input`` items are checked and normalized by ``response_items``. Fields whose shape the validators check by hand
+carry that shape as their JSON schema (``WithJsonSchema``), so the server's ``/openapi.json``
+(``kimi_mlx.server.app``) describes what it accepts.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import re
 from typing import Annotated, Any, Literal, Optional
 
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator,
+                      model_validator)
 
 from .errors import ApiError
 from .images import MEDIA_TYPES
@@ -342,6 +344,16 @@ class JsonSchemaFormat(_Body):
     strict: Optional[bool] = None
 
 
+def reply_format(kind: str, schema: Optional[dict]) -> Optional[dict]:
+    """A reply format (``text``, ``json_object``, ``json_schema`` with its ``schema``) as ``kimi_mlx.chat.format``
+    takes it: None for plain text."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"schema": schema}}
+
+
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = Field(None, validate_default=True)
@@ -354,12 +366,7 @@ class ResponseFormat(_Body):
         return v
 
     def for_renderer(self) -> Optional[dict]:
-        """What ``kimi_mlx.chat.format`` takes: None for plain text."""
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return {"type": "json_object"}
-        return {"type": "json_schema", "json_schema": {"schema": self.json_schema.schema_}}
+        return reply_format(self.type, self.json_schema.schema_ if self.json_schema is not None else None)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -444,6 +451,176 @@ class CompletionRequest(_Sampling):
         if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
             raise ValueError("one prompt per request: batched prompts are not supported")
         raise ValueError("must be a string or a non-empty list of token ids")
+
+
+# ---------------------------------------------------------------------------------------------------- Responses
+
+_INPUT_TEXT = _object(("type", "text"), type={"enum": ["input_text", "output_text"]}, text=_STR)
+_INPUT_IMAGE = _object(("type", "image_url"), type={"const": "input_image"},
+                       image_url={"type": "string", "minLength": 1}, detail={"enum": ["auto", "low", "high"]})
+_RESPONSE_ITEM = {"anyOf": [
+    _object(("role", "content"), type={"const": "message"},
+            role={"enum": ["user", "assistant", "system", "developer"]},
+            content={"anyOf": [_STR, {"type": "array", "items": {"anyOf": [_INPUT_TEXT, _INPUT_IMAGE]}}]}),
+    _object(("type", "call_id", "name", "arguments"), type={"const": "function_call"}, call_id=_STR, name=_STR,
+            arguments=_STR),
+    _object(("type", "call_id", "output"), type={"const": "function_call_output"}, call_id=_STR,
+            output={"anyOf": [_STR, {"type": "array", "items": _INPUT_TEXT}]}),
+    _object(("type",), type={"const": "reasoning"}, summary={"type": "array"},
+            content={"type": "array", "items": _object(("type", "text"), type={"const": "reasoning_text"}, text=_STR)}),
+]}
+RESPONSE_ROLES = ("user", "assistant", "system", "developer")
+
+
+def _text_parts(i: int, parts: Any, kinds: tuple[str, ...], what: str) -> str:
+    """The text of a list of ``kinds`` parts (``input_text``/``output_text``/``reasoning_text``), joined."""
+    if isinstance(parts, str):
+        return parts
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") in kinds
+                                              and isinstance(p.get("text"), str) for p in parts):
+        raise PartError(i, f"{what} must be a string or a list of {' / '.join(kinds)} parts with 'text'")
+    return "".join(p["text"] for p in parts)
+
+
+def _message_item(i: int, item: dict) -> dict:
+    """A message input item: ``role`` and ``content`` (a string or input_text / output_text / input_image parts;
+    images only in user messages). Returned as ``{"type": "message", "role", "content"}``."""
+    role, content = item.get("role"), item.get("content")
+    if role not in RESPONSE_ROLES:
+        raise PartError(i, f"role {role!r}; a message item's role is one of {', '.join(RESPONSE_ROLES)}")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("input_text", "output_text") and isinstance(part.get("text"), str):
+                continue
+            if kind == "input_image" and role == "user" and isinstance(part.get("image_url"), str) \
+                    and part["image_url"] and part.get("detail") in (None, "auto", "low", "high"):
+                continue
+            raise PartError(i, f"content[{j}]: the parts this server takes are input_text, output_text and (user "
+                               f"messages) input_image with an 'image_url' (a data: URL); file ids and files are "
+                               f"not supported")
+    elif not isinstance(content, str):
+        raise PartError(i, "a message item needs 'content': a string or a list of content parts")
+    return {"type": "message", "role": role, "content": content}
+
+
+def response_items(value: Any) -> list[dict]:
+    """Responses ``input``: a string (one user message) or a list of items, each checked and returned in a
+    normalized form: ``message`` (also without ``type``), ``function_call`` (``call_id``, ``name``, ``arguments``
+    JSON text), ``function_call_output`` (``call_id``, ``output`` text) and ``reasoning`` (its ``content``
+    reasoning_text, else its ``summary`` text, as ``text``). Other item types (built-in tools' calls,
+    ``item_reference``) are refused."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ValueError("must be a string or a non-empty list of input items")
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise PartError(i, f"must be an object, got {type(item).__name__}")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            out.append(_message_item(i, item))
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) and item[k] for k in ("call_id", "name")) \
+                    or not isinstance(item.get("arguments"), str):
+                raise PartError(i, "a function_call item needs 'call_id', 'name' and 'arguments' (JSON text)")
+            out.append({"type": "function_call", "call_id": item["call_id"], "name": item["name"],
+                        "arguments": item["arguments"]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not item["call_id"]:
+                raise PartError(i, "a function_call_output item needs the 'call_id' of the call it answers")
+            out.append({"type": "function_call_output", "call_id": item["call_id"],
+                        "output": _text_parts(i, item.get("output"), ("input_text", "output_text"), "output")})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            text = _text_parts(i, parts, ("reasoning_text", "summary_text"), "a reasoning item's content")
+            out.append({"type": "reasoning", "text": text})
+        else:
+            raise PartError(i, f"type {kind!r}: the input items this server takes are message, function_call, "
+                               f"function_call_output and reasoning")
+    return out
+
+
+class ResponsesTool(_Body):
+    """A function tool in the Responses API's flat shape (built-in tools are not supported)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+
+class ResponsesTextFormat(_Body):
+    """``text.format``: plain text, JSON, or JSON following ``schema`` (the Responses API's flat shape)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.schema_ is None and self.type == "json_schema":
+            raise ValueError("type 'json_schema' needs a 'schema'")
+        return self
+
+    def for_renderer(self) -> Optional[dict]:
+        return reply_format(self.type, self.schema_)
+
+
+class ResponsesText(_Body):
+    format: Optional[ResponsesTextFormat] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+
+
+class ResponsesReasoning(_Body):
+    effort: Optional[Literal[REASONING_EFFORTS]] = None
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None
+
+
+class ResponsesRequest(_Body):
+    model: Optional[str] = None
+    input: _shape({"anyOf": [_STR, {"type": "array", "items": _RESPONSE_ITEM, "minItems": 1}]}) = \
+        Field(validate_default=True)
+    instructions: Optional[str] = None
+    tools: Optional[list[ResponsesTool]] = None
+    tool_choice: _shape({"anyOf": [{"enum": ["none", "auto", "required"]},
+                                   _object(("type", "name"), type={"const": "function"}, name=_STR), _NULL]}) = None
+    stream: Optional[bool] = None
+    max_output_tokens: Optional[integer(ge=1)] = None
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, ge=0, le=1)
+    reasoning: Optional[ResponsesReasoning] = None
+    text: Optional[ResponsesText] = None
+    store: Optional[bool] = None
+    previous_response_id: Optional[str] = None
+    background: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    @field_validator("input")
+    @classmethod
+    def _input(cls, v):
+        return response_items(v)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("name"), str):
+            return v
+        raise ValueError("expected 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}")
+
+    @field_validator("background")
+    @classmethod
+    def _background(cls, v):
+        if v:
+            raise ValueError("background responses are not supported")
+        return v
 
 
 # ---------------------------------------------------------------------------------------------------- Anthropic
@@ -569,7 +746,7 @@ class CountTokensRequest(_AnthropicPrompt):
     pass
 
 
-REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, MessagesRequest, CountTokensRequest)
+REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest, MessagesRequest, CountTokensRequest, ResponsesRequest)
 
 
 def request_body(model: type[_Body]) -> dict:
