@@ -48,6 +48,7 @@ class Generation:
         self.finish: Optional[FinishEvent] = None
         self._tic = time.perf_counter()
         self._first: Optional[float] = None
+        self._end: Optional[float] = None
 
     @property
     def cached_tokens(self) -> int:
@@ -64,6 +65,14 @@ class Generation:
             return "stop"
         return self.finish.reason if self.finish is not None else "cancelled"
 
+    @property
+    def timings(self) -> tuple[float, float]:
+        """``(prefill_s, decode_s)``: seconds from submission to the first generated token (the prompt's prefill,
+        queueing included) and from it to the end (or to now, while it runs)."""
+        end = self._end or time.perf_counter()
+        first = self._first or end
+        return first - self._tic, end - first
+
     async def __aiter__(self) -> AsyncIterator[Piece]:
         try:
             async for event in self.stream:
@@ -79,6 +88,7 @@ class Generation:
             if self.finish.reason != "error":
                 yield _piece(None, self.reply.finish())
         finally:
+            self._end = time.perf_counter()
             self.stream.cancel()
             self._log()
 

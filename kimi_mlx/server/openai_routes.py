@@ -15,7 +15,6 @@ prefix cache supplied; ``prompt_tokens_details.image_tokens`` all of them).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import time
@@ -26,9 +25,9 @@ from fastapi import APIRouter, Request
 
 from ..chat.reply_stream import ReplyStream
 from ..text_stream import TextStream
-from .backend import (Backend, Prompt, check_tokens, choose_tools, reply_budget, render_prompt, resolve_thinking,
-                      sampling_params, sse_data, sse_response, stop_ids, submit, watch_disconnect,
-                      with_keepalive)
+from .backend import (EFFORTS, Backend, Prompt, check_response_format, check_tokens, choose_tools, collect,
+                      reply_budget, render_prompt, resolve_thinking, sampling_params, sse_data, sse_response, stop_ids,
+                      submit, with_keepalive)
 from .errors import GENERATION_FAILED, ApiError
 from .generation import Generation
 from .images import ImageRef, prepare_images
@@ -37,7 +36,6 @@ from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, pars
 router = APIRouter()
 
 KEEPALIVE = ": keepalive\n\n"  # an SSE comment: clients skip it
-EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
 LOGPROB_FLOOR = -9999.0  # a token of (numerically) zero probability, as OpenAI reports it
 
 
@@ -91,15 +89,6 @@ def _chat_logprobs(tokenizer, gen: Generation, piece) -> Optional[list]:
     entry = _token_logprob(tokenizer, ev.token, ev.logprob)
     entry["top_logprobs"] = [_token_logprob(tokenizer, t, lp) for t, lp in ev.top_logprobs or []]
     return [entry]
-
-
-async def _collect(request: Request, gen: Generation):
-    """Every piece of ``gen`` (a reply sent whole), cancelling it if the client disconnects meanwhile."""
-    watcher = asyncio.ensure_future(watch_disconnect(request, gen.stream))
-    try:
-        return [piece async for piece in gen]
-    finally:
-        watcher.cancel()
 
 
 # ------------------------------------------------------------------------------------------------------- models
@@ -171,9 +160,7 @@ def _thinking(backend: Backend, req: ChatCompletionRequest) -> tuple[Optional[bo
 async def _chat_prompt(backend: Backend, req: ChatCompletionRequest) -> Prompt:
     thinking, effort = _thinking(backend, req)
     response_format = req.response_format.for_renderer() if req.response_format is not None else None
-    if backend.chat_format == "kimi_linear" and response_format is not None:
-        raise ApiError(400, "response_format: the Kimi Linear chat format has no JSON mode (only text)",
-                       "response_format")
+    check_response_format(backend, response_format, "response_format")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice
     name = choice["function"]["name"] if isinstance(choice, dict) else None
@@ -218,7 +205,7 @@ async def chat_completions(request: Request):
         usage = req.stream_options is not None and req.stream_options.include_usage
         return sse_response(_chat_chunks(backend, gen, reply, usage, state.keepalive_s), gen.stream)
     content, reasoning, calls, logprobs = [], [], [], []
-    for piece in await _collect(request, gen):
+    for piece in await collect(request, gen):
         for ev in piece.events:
             if ev.kind == "content":
                 content.append(ev.text)
@@ -313,7 +300,7 @@ async def completions(request: Request):
         chunks = _completion_chunks(backend, gen, reply, req.logprobs is not None, usage, state.keepalive_s)
         return sse_response(chunks, gen.stream)
     text, logprobs = "", _new_logprobs()
-    for piece in await _collect(request, gen):
+    for piece in await collect(request, gen):
         _completion_logprobs(backend.tokenizer, gen, piece, len(text), logprobs)
         text += piece.text
     _check_finish(gen)
