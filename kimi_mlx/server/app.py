@@ -95,10 +95,10 @@ def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, 
                max_body_mb: float = 16.0, keepalive_s: float = 10.0,
                on_load_error: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
     """The app serving ``source`` (a ready ``Backend``, or a function loading one in the background) as
-    ``model_id``. ``api_key``: required on every ``/v1`` and ``/api`` route when set. ``max_body_mb``: larger request bodies
-    get 413. ``keepalive_s``: a stream waiting longer than this for its next event (a long prefill) sends a
-    keep-alive (an SSE comment; Anthropic: a ``ping`` event). ``on_load_error(exc)``: called if loading fails (the
-    app keeps answering ``/health`` with 503)."""
+    ``model_id``. ``api_key``: required on every ``/v1`` and ``/api`` route when set. ``max_body_mb``: larger
+    request bodies get 413. ``keepalive_s``: a stream waiting longer than this for its next event (a long prefill)
+    sends a keep-alive (an SSE comment; Anthropic: a ``ping`` event; Ollama: an empty piece).
+    ``on_load_error(exc)``: called if loading fails (the app keeps answering ``/health`` with 503)."""
     state = ServerState(model_id, api_key, int(max_body_mb * 2**20), keepalive_s)
     app = FastAPI(lifespan=_lifespan(state, source, on_load_error), docs_url=None, redoc_url=None)
     app.state.server = state
