@@ -47,7 +47,7 @@ router = APIRouter()
 # the Ollama release whose API these routes follow (clients compare it to decide what a server can do)
 OLLAMA_VERSION = "0.12.6"
 NEVER = "2318-01-01T00:00:00Z"  # /api/ps expires_at: the model is never unloaded (Ollama's far-future time)
-NS = 1_000_000_000
+NS = 1_000_000_000  # durations are nanoseconds
 
 
 def _now() -> str:
