@@ -4,9 +4,10 @@ Completions and Completions routes for the same conversation or prompt (the inde
 client's reading of the established routes): greedy text, finish reason, prompt and reply token counts, durations
 in nanoseconds; ``options`` (``num_predict``, ``seed``, ``stop``, ``num_ctx``); a tool-call history rendered as
 Chat Completions renders it; malformed requests answered with Ollama's ``{"error": ...}`` and a 4xx while the
-server keeps serving. In process, on a scripted engine (``test_server_app.py``): a Kimi-K3 reply with reasoning and
-a tool call read by the ``ollama`` client's types as ``message.thinking`` and ``message.tool_calls`` with object
-arguments, and empty pieces as keep-alives during a long prefill.
+server keeps serving; ``pull`` of the served model a success, the model-management and embedding routes a 501
+saying so. In process, on a scripted engine (``test_server_app.py``): a Kimi-K3 reply with reasoning and a tool
+call read by the ``ollama`` client's types as ``message.thinking`` and ``message.tool_calls`` with object
+arguments, empty pieces as keep-alives during a long prefill, and the API key on every ``/api`` route.
 """
 
 import json
@@ -18,10 +19,12 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 from serve_helpers import Server
-from test_server_app import TOOLS, USER, _app, _reply_tokens
+from test_server_app import TOOLS, USER, ScriptedEngine, _app, _reply_tokens
 from xtml_tokenizer import load_xtml_tokenizer
 
 from kimi_mlx.chat.format import render_chat
+from kimi_mlx.server.app import create_app
+from kimi_mlx.server.backend import Backend
 
 N = 12
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
@@ -247,7 +250,13 @@ def test_errors_through_the_client_and_still_serving(ol, server):
     with pytest.raises(ollama.ResponseError) as e:
         list(ol.generate(model="demo", prompt="x", options={"top_p": 3}, stream=True))
     assert e.value.status_code == 400 and "top_p" in e.value.error
-    assert httpx.post(server.base + "/api/pull", json={"model": "demo"}).json().keys() == {"error"}
+    assert ol.pull("demo:latest").status == "success"
+    for call, status in ((lambda: ol.pull("llama3"), 404), (lambda: ol.delete("demo"), 501),
+                         (lambda: ol.embed(model="demo", input="x"), 501),
+                         (lambda: ol.copy("demo", "demo2"), 501)):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert e.value.status_code == status and ("not found" in e.value.error or "not supported" in e.value.error)
     assert ol.chat(model="demo", messages=CHAT, options={"num_predict": 2}).eval_count == 2
     assert httpx.get(server.base + "/health").status_code == 200 and "Traceback" not in server.log()
 
@@ -297,3 +306,18 @@ def test_keepalive_pieces_while_prefilling(k3_tok):
         assert len(empty) >= 3
         assert "".join(p.message.content for p in parts) == "Fine."
         assert "".join(p.message.thinking or "" for p in parts) == "Easy."
+
+
+def test_api_key_guards_the_ollama_routes(k3_tok):
+    """With a key, every /api route wants it (as the ollama client sends it: ``Authorization: Bearer``); a missing
+    or wrong key is a 401 in Ollama's shape."""
+    backend = Backend(ScriptedEngine(_reply_tokens(k3_tok, "kimi_k3", [USER], {"role": "assistant", "content": "Hi"})),
+                      k3_tok, "kimi_k3", vocab_size=len(k3_tok), max_context=4096)
+    with TestClient(create_app(backend, model_id="m", api_key="sekret")) as http:
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            for method, path in (("GET", "/api/tags"), ("POST", "/api/chat"), ("POST", "/api/show")):
+                r = http.request(method, path, json={"model": "m", "messages": [USER]}, headers=headers)
+                assert r.status_code == 401 and list(r.json()) == ["error"], r.text
+        r = http.post("/api/chat", json={"model": "m", "messages": [USER], "stream": False},
+                      headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 200 and r.json()["message"]["content"] == "Hi"

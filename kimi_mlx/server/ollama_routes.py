@@ -147,6 +147,33 @@ async def show(request: Request):
             "model_info": model_info, "capabilities": _capabilities(backend), "modified_at": _modified_at(info)}
 
 
+@router.post("/api/pull", include_in_schema=False)
+async def pull(request: Request):
+    state = request.app.state.server
+    req = parse(OllamaShowRequest, await state.body(request))
+    name = req.model or req.name
+    if name not in (state.model_id, f"{state.model_id}:latest"):
+        raise ApiError(404, f"model '{name}' not found: this server serves '{state.model_id}' and pulls nothing",
+                       "model")
+    return {"status": "success"}  # the served model is here (one object, streamed or not)
+
+
+# what this server does not do: one model, loaded at start, and no embeddings
+UNSUPPORTED = {("POST", "/api/push"): "pushing models", ("POST", "/api/create"): "creating models",
+               ("POST", "/api/copy"): "copying models", ("DELETE", "/api/delete"): "deleting models",
+               ("POST", "/api/embed"): "embeddings", ("POST", "/api/embeddings"): "embeddings"}
+
+
+async def unsupported(request: Request):
+    what = UNSUPPORTED[(request.method, request.url.path)]
+    raise ApiError(501, f"{request.url.path}: {what} is not supported by kimi-mlx serve (it serves one model, "
+                        f"'{request.app.state.server.model_id}', loaded at start)")
+
+
+for (_method, _path) in UNSUPPORTED:
+    router.add_api_route(_path, unsupported, methods=[_method], include_in_schema=False)
+
+
 # ------------------------------------------------------------------------------------------------------- prompts
 
 
