@@ -118,6 +118,8 @@ def test_empty_request_loads(ol):
     assert r.done and r.done_reason == "load" and r.response == ""
     r = ol.chat(model="demo", messages=[])
     assert r.done and r.done_reason == "load"
+    (r,) = list(ol.chat(model="demo", messages=[], stream=True))
+    assert r.done and r.done_reason == "load" and r.message.content == ""
 
 
 def test_list_show_ps_version(ol, server):

@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from typing import Optional
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from ..chat.reply_stream import ReplyStream
 from ..text_stream import TextStream
@@ -216,7 +216,7 @@ def _messages(req: OllamaChatRequest, images: list) -> list[dict]:
     awaiting: list[dict] = []
     for i, m in enumerate(req.messages):
         if m.role == "tool":
-            msg = {"role": "tool", "content": m.content}
+            msg = {"role": "tool", "content": m.content or ""}
             match = next((c for c in awaiting if c["function"]["name"] == m.tool_name), None)
             if m.tool_call_id or match is not None:
                 msg["tool_call_id"] = m.tool_call_id or match["id"]
@@ -227,7 +227,7 @@ def _messages(req: OllamaChatRequest, images: list) -> list[dict]:
             out.append(msg)
             continue
         if m.role == "assistant":
-            msg = {"role": "assistant", "content": m.content}
+            msg = {"role": "assistant", "content": m.content or ""}
             if m.thinking:
                 msg["reasoning_content"] = m.thinking
             awaiting = _calls(m, i)
@@ -235,7 +235,8 @@ def _messages(req: OllamaChatRequest, images: list) -> list[dict]:
                 msg["tool_calls"] = list(awaiting)
             out.append(msg)
             continue
-        content = _user_content(m.content, [next(placed) for _ in m.images or ()]) if m.role == "user" else m.content
+        text = m.content or ""
+        content = _user_content(text, [next(placed) for _ in m.images or ()]) if m.role == "user" else text
         out.append({"role": m.role, "content": content})
     return out
 
@@ -392,17 +393,17 @@ def _loaded(model: str, chat: bool, stream: bool):
     """Ollama's answer to a request with nothing to generate (no messages, an empty prompt): the model is loaded."""
     out = _Reply(model, chat, time.perf_counter()).piece()
     out.update(done=True, done_reason="load")
-    if stream:
-        return JSONResponse(out, media_type="application/x-ndjson")
-    return out
+    return Response(_line(out), media_type="application/x-ndjson") if stream else out
 
 
-async def _respond(request: Request, req, prompt_of, chat: bool, route: str):
+async def _respond(request: Request, kind: type, prompt_of, chat: bool, route: str):
+    """A chat (``kind`` OllamaChatRequest, ``chat``) or generate request: parsed, its prompt made by
+    ``prompt_of(backend, req)``, submitted, and answered streamed or whole."""
     arrived = time.perf_counter()
     state = request.app.state.server
     body = await state.body(request)
     backend = state.ready()
-    req = parse(req, body)
+    req = parse(kind, body)
     model = _check_model(state, req.model)
     stream = req.stream is not False
     if (not req.messages) if chat else (not req.prompt and not req.images):

@@ -72,7 +72,7 @@ class OllamaToolCall(_Body):
 
 class OllamaMessage(_Body):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
+    content: Optional[str] = None
     thinking: Optional[str] = None
     images: _shape(_IMAGES) = Field(None, validate_default=True)
     tool_calls: Optional[list[OllamaToolCall]] = Field(None, validate_default=True)
