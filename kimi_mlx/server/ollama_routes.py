@@ -17,6 +17,9 @@ JSON schema (the chat format's structured output, as ``response_format``); tool 
 ``tool_call_id``, else by ``tool_name``, else by position. ``/api/generate`` renders ``prompt`` (with ``system``
 and ``images``) as one user turn in the model's chat format, or with ``raw: true`` sends the prompt's tokens as
 they are. ``keep_alive`` is accepted and ignored. Errors are Ollama's ``{"error": "..."}`` (the app's handler).
+
+``POST /api/pull`` of the served model answers success (it is here); pushing, creating, copying and deleting
+models and embeddings are a 501 saying so (``UNSUPPORTED``).
 """
 
 from __future__ import annotations
