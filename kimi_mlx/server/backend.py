@@ -1,6 +1,6 @@
-"""What the OpenAI and Anthropic routes share: the loaded model (``Backend``), the server's defaults, turning a
-conversation or a prompt into a validated ``GenerationRequest`` and submitting it, and the app's state
-(``ServerState``: model id, API key, body limit, loading).
+"""What the OpenAI, Anthropic and Ollama routes share: the loaded model (``Backend``, what it is: ``ModelInfo``), the
+server's defaults, turning a conversation or a prompt into a validated ``GenerationRequest`` and submitting it,
+streaming the reply (SSE, NDJSON), and the app's state (``ServerState``: model id, API key, body limit, loading).
 
 Errors are ``kimi_mlx.server.errors.ApiError``s (status, message, the request field at fault).
 """
@@ -74,7 +74,7 @@ def describe_model(model: Any, source: str) -> ModelInfo:
         size += v.nbytes
         if name.endswith((".scales", ".biases")) and bits:
             continue
-        if mx_is_float(v.dtype):
+        if _is_float(v.dtype):
             count += v.size
             floats[str(v.dtype).split(".")[-1]] = floats.get(str(v.dtype).split(".")[-1], 0) + v.nbytes
         else:  # packed quantized values
@@ -88,7 +88,7 @@ def describe_model(model: Any, source: str) -> ModelInfo:
                      modified_at=path.stat().st_mtime if path.exists() else time.time())
 
 
-def mx_is_float(dtype) -> bool:
+def _is_float(dtype) -> bool:
     import mlx.core as mx
 
     return mx.issubdtype(dtype, mx.floating)
