@@ -24,7 +24,8 @@ from xtml_tokenizer import load_xtml_tokenizer
 
 from kimi_mlx.chat.format import render_chat
 from kimi_mlx.server.app import create_app
-from kimi_mlx.server.backend import Backend
+from kimi_mlx.loading import load
+from kimi_mlx.server.backend import Backend, describe_model
 
 N = 12
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
@@ -323,3 +324,14 @@ def test_api_key_guards_the_ollama_routes(k3_tok):
         r = http.post("/api/chat", json={"model": "m", "messages": [USER], "stream": False},
                       headers={"Authorization": "Bearer sekret"})
         assert r.status_code == 200 and r.json()["message"]["content"] == "Hi"
+
+
+def test_model_info_counts_quantized_weights(server, tmp_path_factory, monkeypatch):
+    """``/api/tags``' details of the demo model quantized to 4 bits: the same parameter count as the float model
+    (packed values counted as values), ``Q4``, fewer bytes."""
+    monkeypatch.setenv("KIMI_MLX_HOME", str(tmp_path_factory.getbasetemp() / "kimi-mlx-home"))
+    full = describe_model(load("demo")[0], "demo")
+    q4 = describe_model(load("demo", quantize=4)[0], "demo")
+    assert (full.quantization, q4.quantization) == ("F32", "Q4") and q4.parameter_count == full.parameter_count
+    assert q4.size < full.size / 4 and full.family == q4.family == "kimi_linear"
+    assert full.size == ollama.Client(host=server.base).list().models[0].size
