@@ -7,7 +7,8 @@ Chat Completions renders it; malformed requests answered with Ollama's ``{"error
 server keeps serving; ``pull`` of the served model a success, the model-management and embedding routes a 501
 saying so. In process, on a scripted engine (``test_server_app.py``): a Kimi-K3 reply with reasoning and a tool
 call read by the ``ollama`` client's types as ``message.thinking`` and ``message.tool_calls`` with object
-arguments, empty pieces as keep-alives during a long prefill, and the API key on every ``/api`` route.
+arguments, empty pieces as keep-alives during a long prefill, the API key on every ``/api`` route, and failures
+inside the server as a 500 or an error line without the exception's text.
 """
 
 import json
@@ -19,13 +20,14 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 from serve_helpers import Server
-from test_server_app import TOOLS, USER, ScriptedEngine, _app, _reply_tokens
+from test_server_app import SECRET, TOOLS, USER, FailingEngine, ScriptedEngine, _app, _reply_tokens
 from xtml_tokenizer import load_xtml_tokenizer
 
 from kimi_mlx.chat.format import render_chat
 from kimi_mlx.server.app import create_app
 from kimi_mlx.loading import load
 from kimi_mlx.server.backend import Backend, describe_model
+from kimi_mlx.server.errors import GENERATION_FAILED, INTERNAL_ERROR
 
 N = 12
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
@@ -335,3 +337,20 @@ def test_model_info_counts_quantized_weights(server, tmp_path_factory, monkeypat
     assert (full.quantization, q4.quantization) == ("F32", "Q4") and q4.parameter_count == full.parameter_count
     assert q4.size < full.size / 4 and full.family == q4.family == "kimi_linear"
     assert full.size == ollama.Client(host=server.base).list().models[0].size
+
+
+@pytest.mark.parametrize("on_submit", [True, False], ids=["route-raises", "engine-error"])
+def test_internal_failures_are_ollama_errors(k3_tok, on_submit):
+    """A failure that is not the client's: a 500 ``{"error": ...}`` with a fixed message, or (streamed) an error
+    line the client raises; never the exception's text."""
+    backend = Backend(FailingEngine(on_submit), k3_tok, "kimi_k3", len(k3_tok), 4096)
+    message = INTERNAL_ERROR if on_submit else GENERATION_FAILED
+    with TestClient(create_app(backend, model_id="m"), raise_server_exceptions=False) as http:
+        r = http.post("/api/chat", json={"model": "m", "messages": [USER], "stream": False})
+        assert r.status_code == 500 and r.json() == {"error": message}
+        r = http.post("/api/generate", json={"model": "m", "prompt": "x"})
+        if on_submit:
+            assert r.status_code == 500 and r.json() == {"error": message}
+        else:
+            assert r.status_code == 200 and json.loads(r.text.splitlines()[-1]) == {"error": message}
+        assert SECRET not in r.text
