@@ -354,3 +354,26 @@ def test_internal_failures_are_ollama_errors(k3_tok, on_submit):
         else:
             assert r.status_code == 200 and json.loads(r.text.splitlines()[-1]) == {"error": message}
         assert SECRET not in r.text
+
+
+def test_tool_results_pair_by_tool_name(ol, oai):
+    """Two calls answered out of order, each result naming its tool (``tool_name``): paired with their calls and
+    rendered in call order, as Chat Completions renders the same results by ``tool_call_id``."""
+    calls = [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+             {"function": {"name": "get_time", "arguments": {"city": "Paris"}}}]
+    history = [{"role": "user", "content": "Weather and time in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": calls},
+               {"role": "tool", "tool_name": "get_time", "content": "10:00"},
+               {"role": "tool", "tool_name": "get_weather", "content": "Sunny"}]
+    openai_history = [history[0],
+                      {"role": "assistant", "content": "", "tool_calls": [
+                          {"id": f"c{n}", "type": "function", "function": {
+                              "name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
+                          for n, c in enumerate(calls)]},
+                      {"role": "tool", "tool_call_id": "c1", "name": "get_time", "content": "10:00"},
+                      {"role": "tool", "tool_call_id": "c0", "name": "get_weather", "content": "Sunny"}]
+    ref = reference(oai, openai_history)
+    r = ol.chat(model="demo", messages=history, options=GREEDY)
+    assert r.prompt_eval_count == ref.usage.prompt_tokens and r.message.content == ref.choices[0].message.content
+    in_order = [*history[:2], history[3], history[2]]
+    assert ol.chat(model="demo", messages=in_order, options=GREEDY).message.content == r.message.content

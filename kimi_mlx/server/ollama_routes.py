@@ -220,10 +220,11 @@ def _messages(req: OllamaChatRequest, images: list) -> list[dict]:
     for i, m in enumerate(req.messages):
         if m.role == "tool":
             msg = {"role": "tool", "content": m.content or ""}
-            match = next((c for c in awaiting if c["function"]["name"] == m.tool_name), None)
+            match = next((c for c in awaiting if c["id"] == m.tool_call_id), None) if m.tool_call_id else \
+                next((c for c in awaiting if c["function"]["name"] == m.tool_name), None)
             if m.tool_call_id or match is not None:
                 msg["tool_call_id"] = m.tool_call_id or match["id"]
-            if match is not None and not m.tool_call_id:
+            if match is not None:
                 awaiting.remove(match)
             if m.tool_name:
                 msg["name"] = m.tool_name
