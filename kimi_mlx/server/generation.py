@@ -88,8 +88,8 @@ class Generation:
             if self.finish.reason != "error":
                 yield _piece(None, self.reply.finish())
         finally:
-            self._end = time.perf_counter()
             self.stream.cancel()
+            self._end = time.perf_counter()
             self._log()
 
     def _log(self) -> None:
