@@ -883,6 +883,23 @@ BUGS: tuple[PlantedBug, ...] = (
                  "item": copy.deepcopy(item)}]"""),),
         ("tests/test_server_responses.py::test_stream_event_sequence",),
     ),
+    # -- the Ollama API
+    PlantedBug(
+        "ollama: num_predict ignored (the server's default reply length)",
+        (("kimi_mlx/server/ollama_routes.py", "    n = options.num_predict\n", "    n = None\n"),),
+        ("tests/test_server_ollama.py::test_num_predict_limits_the_reply",),
+    ),
+    PlantedBug(
+        "ollama: durations in ms not ns",
+        (("kimi_mlx/server/ollama_routes.py", "NS = 1_000_000_000 ", "NS = 1_000 "),),
+        ("tests/test_server_ollama.py::test_chat_equals_chat_completions",),
+    ),
+    PlantedBug(
+        "ollama: a tool result's tool_name not written as its name (the template's header says tool)",
+        (("kimi_mlx/server/ollama_routes.py", "            if m.tool_name:\n                msg[\"name\"] = m.tool_name\n",
+          ""),),
+        ("tests/test_server_ollama.py::test_tool_history_renders_as_chat_completions",),
+    ),
 )
 
 

@@ -69,8 +69,8 @@ def test_two_ranks_serve_the_single_process_output(mode, tmp_path):
 
 def test_two_ranks_serve_chat_completions_over_http(tmp_path):
     """``mlx.launch -n 2 -- kimi-mlx serve --parallel pipeline``: rank 0 answers the OpenAI client (streamed and
-    not, two conversations at once; then the Responses API, whole and streamed) with the single-process greedy text
-    of the rendered conversation."""
+    not, two conversations at once; then the Responses API, whole and streamed) and the Ollama client with the
+    single-process greedy text of the rendered conversation."""
     import concurrent.futures
     import os
     import signal
@@ -80,6 +80,7 @@ def test_two_ranks_serve_chat_completions_over_http(tmp_path):
 
     import httpx2 as httpx
     import mlx.core as mx
+    import ollama
     from distributed import launch_command
     from openai import OpenAI
     from serve_helpers import free_port
@@ -121,6 +122,9 @@ def test_two_ranks_serve_chat_completions_over_http(tmp_path):
         got.append(client.responses.create(**kw).output_text)
         with client.responses.stream(**kw) as stream:
             got.append("".join(e.delta for e in stream if e.type == "response.output_text.delta"))
+        ol = ollama.Client(host=f"http://127.0.0.1:{port}")  # the Ollama API on the same engine
+        got_ollama = [ol.chat(model=str(model_dir), messages=m, options={"temperature": 0, "num_predict": 12})
+                      .message.content for m in chats]
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
@@ -130,6 +134,7 @@ def test_two_ranks_serve_chat_completions_over_http(tmp_path):
     model, tok = load(model_dir, dtype=mx.float32)
     want = [generate(model, tok, render_chat(tok, m), 12, stop_strings=()) for m in chats]
     assert got == [want[0], want[0], want[1], want[1], want[0], want[0]], (tmp_path / "serve.log").read_text()
+    assert got_ollama == want
 
 
 def _wait_for_group_exit(pgid: int, timeout_s: float) -> list[str]:

@@ -2,8 +2,8 @@
 models' schemas): a real ``kimi-mlx serve`` (demo model, an API key, a small context so any reply is short) gets
 bodies the schema accepts and bodies it refuses, on every route. No answer is a 5xx; every 4xx carries an error
 body in the route's style (OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error", ...}`` on
-``/v1/messages*``); the server keeps serving. Bounded in time: a fixed number of examples per route, seeded, so
-a run is repeatable (about half a minute on 2 CPU cores).
+``/v1/messages*``, Ollama's ``{"error": "..."}`` on ``/api/*``); the server keeps serving. Bounded in time: a fixed
+number of examples per route, seeded, so a run is repeatable (about half a minute on 2 CPU cores).
 
 The routes are collected from the document ``create_app`` builds for the same model id and key (schemathesis
 makes one test per route at collection, before the server starts); ``test_served_document_is_the_one_fuzzed``
@@ -51,6 +51,8 @@ def test_no_server_error(case, server):
         body = response.json()
         if case.path.startswith("/v1/messages"):
             assert body["type"] == "error" and body["error"]["type"] and body["error"]["message"], body
+        elif case.path.startswith("/api/"):
+            assert list(body) == ["error"] and isinstance(body["error"], str) and body["error"], body
         else:
             assert body["error"]["type"] and body["error"]["message"], body
 

@@ -189,7 +189,7 @@ def _serve(args: argparse.Namespace, group) -> int:
     from mlx.utils import tree_flatten
 
     from ..server.app import create_app
-    from ..server.backend import Backend, Defaults
+    from ..server.backend import Backend, Defaults, describe_model
     from ..server.images import ImageLimits
 
     handler = logging.StreamHandler(sys.stderr)
@@ -211,7 +211,8 @@ def _serve(args: argparse.Namespace, group) -> int:
                              args.allow_image_urls, args.image_url_timeout)
         encoder = getattr(parts.model, "image_encoder", None)
         backend = Backend(parts.scheduler.start(), parts.tokenizer, parts.chat_format, vocab, args.max_kv_size,
-                          defaults, encoder, getattr(parts.model, "no_images_reason", "no vision tower"), limits)
+                          defaults, encoder, getattr(parts.model, "no_images_reason", "no vision tower"), limits,
+                          describe_model(parts.model, args.model))
         weights = (sum(v.nbytes for _, v in tree_flatten(parts.model.parameters()))
                    + (encoder.nbytes if encoder is not None else 0)) / 1e9  # the vision tower's too
         log.info(f"kimi-mlx serve: {url} | model {model_id} ({parts.chat_format} format) | weights {weights:.3g} GB, "

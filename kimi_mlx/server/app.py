@@ -1,8 +1,9 @@
-"""The ASGI app: OpenAI (Chat Completions, Completions, Responses) and Anthropic routes (``openai_routes``,
-``responses_routes``, ``anthropic_routes``), ``GET``/``HEAD /health``,
-``GET /openapi.json`` (the request bodies' schemas are the request models', ``kimi_mlx.server.schemas``), the API
+"""The ASGI app: OpenAI (Chat Completions, Completions, Responses), Anthropic and Ollama routes (``openai_routes``,
+``responses_routes``, ``anthropic_routes``, ``ollama_routes``), ``GET``/``HEAD /health``, ``GET /openapi.json``
+(the request bodies' schemas are the request models', ``kimi_mlx.server.schemas`` and ``ollama_schemas``), the API
 key, and errors as JSON in the route's style — OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error",
-...}`` on ``/v1/messages*``. Bad input never produces a traceback for the client; an unexpected failure is a 500
+...}`` on ``/v1/messages*``, Ollama's ``{"error": "..."}`` on ``/api/*``. Bad input never produces a traceback for
+the client; an unexpected failure is a 500
 that says only that (the server log has the exception); a client that leaves while sending its body is one log
 line.
 
@@ -31,9 +32,10 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from . import anthropic_routes, openai_routes, responses_routes
+from . import anthropic_routes, ollama_routes, openai_routes, responses_routes
 from .backend import Backend, ServerState
 from .errors import INTERNAL_ERROR, ApiError
+from .ollama_schemas import OLLAMA_REQUEST_MODELS
 from .response_store import ResponseStore
 from .schemas import REQUEST_MODELS
 
@@ -46,7 +48,10 @@ def _anthropic(request: Request) -> bool:
 
 def _error_response(request: Request, err: ApiError) -> JSONResponse:
     log.info(f"{request.method} {request.url.path} | {err.status} {err.message}")
-    body = err.anthropic_body() if _anthropic(request) else err.openai_body()
+    if request.url.path.startswith("/api/"):
+        body = err.ollama_body()
+    else:
+        body = err.anthropic_body() if _anthropic(request) else err.openai_body()
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
@@ -68,8 +73,8 @@ def openapi_schema(app: FastAPI, model_id: str, api_key: bool) -> dict:
     """The OpenAPI document of ``app``: its routes, the request models as components (the routes' request bodies
     refer to them), ``model`` fields limited to the served ``model_id``, and the key schemes when one is needed."""
     doc = get_openapi(title="kimi-mlx", version=importlib.metadata.version("kimi-mlx"), routes=app.routes,
-                      description="OpenAI- and Anthropic-compatible API of kimi-mlx serve")
-    _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS],
+                      description="OpenAI-, Anthropic- and Ollama-compatible API of kimi-mlx serve")
+    _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS + OLLAMA_REQUEST_MODELS],
                                  ref_template="#/components/schemas/{model}")
     components = doc.setdefault("components", {})
     components["schemas"] = defs["$defs"]
@@ -82,7 +87,7 @@ def openapi_schema(app: FastAPI, model_id: str, api_key: bool) -> dict:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
                                          "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
         for path, ops in doc["paths"].items():
-            if path.startswith("/v1/"):
+            if path.startswith(("/v1/", "/api/")):
                 for op in ops.values():
                     op["security"] = [{"bearer": []}, {"x-api-key": []}]
     return doc
@@ -92,11 +97,11 @@ def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, 
                max_body_mb: float = 16.0, keepalive_s: float = 10.0, responses_store_mb: float = 64.0,
                on_load_error: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
     """The app serving ``source`` (a ready ``Backend``, or a function loading one in the background) as
-    ``model_id``. ``api_key``: required on every ``/v1`` route when set. ``max_body_mb``: larger request bodies
-    get 413. ``keepalive_s``: a stream waiting longer than this for its next event (a long prefill) sends a
-    keep-alive (an SSE comment; Anthropic: a ``ping`` event). ``responses_store_mb``: memory for stored Responses
-    API responses (``previous_response_id``; the least recently used go first). ``on_load_error(exc)``: called
-    if loading fails (the app keeps answering ``/health`` with 503)."""
+    ``model_id``. ``api_key``: required on every ``/v1`` and ``/api`` route when set. ``max_body_mb``: larger
+    request bodies get 413. ``keepalive_s``: a stream waiting longer than this for its next event (a long prefill)
+    sends a keep-alive (an SSE comment; Anthropic: a ``ping`` event; Ollama: an empty piece). ``responses_store_mb``:
+    memory for stored Responses API responses (``previous_response_id``; the least recently used go first).
+    ``on_load_error(exc)``: called if loading fails (the app keeps answering ``/health`` with 503)."""
     state = ServerState(model_id, api_key, int(max_body_mb * 2**20), keepalive_s)
     app = FastAPI(lifespan=_lifespan(state, source, on_load_error), docs_url=None, redoc_url=None)
     app.state.server = state
@@ -104,6 +109,7 @@ def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, 
     app.include_router(openai_routes.router, dependencies=[Depends(_check_key)])
     app.include_router(anthropic_routes.router, dependencies=[Depends(_check_key)])
     app.include_router(responses_routes.router, dependencies=[Depends(_check_key)])
+    app.include_router(ollama_routes.router, dependencies=[Depends(_check_key)])
     app.openapi = functools.partial(_cached_openapi_schema, app, model_id, api_key is not None)
     app.head("/health", operation_id="health_head")(app.get("/health")(health))
     _add_error_handlers(app)

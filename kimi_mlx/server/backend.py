@@ -1,6 +1,6 @@
-"""What the OpenAI and Anthropic routes share: the loaded model (``Backend``), the server's defaults, turning a
-conversation or a prompt into a validated ``GenerationRequest`` and submitting it, and the app's state
-(``ServerState``: model id, API key, body limit, loading).
+"""What the OpenAI, Anthropic and Ollama routes share: the loaded model (``Backend``, what it is: ``ModelInfo``), the
+server's defaults, turning a conversation or a prompt into a validated ``GenerationRequest`` and submitting it,
+streaming the reply (SSE, NDJSON), and the app's state (``ServerState``: model id, API key, body limit, loading).
 
 Errors are ``kimi_mlx.server.errors.ApiError``s (status, message, the request field at fault).
 """
@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from fastapi.responses import StreamingResponse
@@ -25,6 +26,8 @@ from .images import ImageLimits
 from .scheduler import EngineStoppedError, GenerationRequest, QueueFullError, ReasoningBudget, RequestStream
 
 THINKING_EFFORTS = ("low", "high", "max")
+# the efforts clients name (OpenAI's reasoning_effort, Ollama's think levels) -> K3's, which knows low, high and max
+EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
 
 
 @dataclass
@@ -38,6 +41,57 @@ class Defaults:
     thinking: Optional[bool] = None
     thinking_effort: Optional[str] = None
     system: Optional[str] = None
+
+
+@dataclass
+class ModelInfo:
+    """What the served model is, for listings (Ollama's ``/api/tags``, ``/api/show``): ``family`` (the config's
+    model type), the weights' ``format`` (``safetensors`` or ``gguf``), ``parameter_count`` (packed quantized
+    weights counted as the values they hold), ``size`` (bytes of the weights in memory), ``quantization``
+    (``F32``/``BF16``/``F16`` for float weights, ``Q{bits}`` for MLX affine, the GGML type for GGML blocks),
+    ``source`` (the ``--model`` argument) and ``modified_at`` (the source's modification time, seconds since
+    the epoch; the load time when it is not a local path)."""
+
+    family: str = "kimi"
+    format: str = "safetensors"
+    parameter_count: int = 0
+    size: int = 0
+    quantization: str = "F32"
+    source: str = ""
+    modified_at: float = 0.0
+
+
+def describe_model(model: Any, source: str) -> ModelInfo:
+    """``ModelInfo`` of a loaded model (its local weights: a rank's share when the model is split) loaded from
+    ``source``."""
+    from mlx.utils import tree_flatten
+
+    bits = {getattr(m, "bits", None) for _, m in model.named_modules()} - {None}
+    ggml = sorted({str(getattr(m, "ggml_type")) for _, m in model.named_modules() if hasattr(m, "ggml_type")})
+    count = size = 0
+    floats: dict[str, int] = {}
+    for name, v in tree_flatten(model.parameters()):
+        size += v.nbytes
+        if name.endswith((".scales", ".biases")) and bits:
+            continue
+        if _is_float(v.dtype):
+            count += v.size
+            floats[str(v.dtype).split(".")[-1]] = floats.get(str(v.dtype).split(".")[-1], 0) + v.nbytes
+        else:  # packed quantized values
+            count += v.nbytes * 8 // min(bits) if bits else v.size
+    bulk = max(floats, key=floats.get, default="float32")
+    quant = ggml[0] if ggml else f"Q{min(bits)}" if bits else {"float32": "F32", "bfloat16": "BF16"}.get(bulk, "F16")
+    path = Path(source)
+    return ModelInfo(family=getattr(getattr(model, "args", None), "model_type", "kimi"),
+                     format="gguf" if path.suffix == ".gguf" else "safetensors", parameter_count=count, size=size,
+                     quantization=quant, source=source,
+                     modified_at=path.stat().st_mtime if path.exists() else time.time())
+
+
+def _is_float(dtype) -> bool:
+    import mlx.core as mx
+
+    return mx.issubdtype(dtype, mx.floating)
 
 
 @dataclass
@@ -56,6 +110,7 @@ class Backend:
     image_encoder: Any = None
     no_images: str = "this model has no vision tower"
     image_limits: ImageLimits = field(default_factory=ImageLimits)
+    info: ModelInfo = field(default_factory=ModelInfo)
 
 
 @dataclass
@@ -115,6 +170,13 @@ def render_prompt(backend: Backend, messages: list[dict], *, tools: Optional[lis
     system_end = starts[first] or 0
     boundaries = tuple(sorted({s for s in starts[1:] if s}))
     return Prompt(tokens, boundaries, system_end, thinking, tuple(images))
+
+
+def check_response_format(backend: Backend, response_format: Any, param: str) -> None:
+    """A structured-output request (the renderer's ``response_format``; None: plain text) the chat format can
+    render: Kimi Linear's has no JSON mode (ApiError naming ``param``)."""
+    if backend.chat_format == "kimi_linear" and response_format is not None:
+        raise ApiError(400, f"{param}: the Kimi Linear chat format has no JSON mode (only text)", param)
 
 
 def check_tokens(backend: Backend, tokens: Sequence[int], param: str) -> None:
@@ -269,8 +331,8 @@ class _EventStream(StreamingResponse):
     """A streamed response that calls ``on_close`` when it ends, however it ends (done, failed, or the client
     gone before the first event)."""
 
-    def __init__(self, chunks, on_close: Callable[[], None]):
-        super().__init__(chunks, media_type="text/event-stream",
+    def __init__(self, chunks, on_close: Callable[[], None], media_type: str = "text/event-stream"):
+        super().__init__(chunks, media_type=media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
 
@@ -285,6 +347,12 @@ def sse_response(chunks, stream: RequestStream) -> StreamingResponse:
     """Server-sent events from an async iterator of ready-made ``event:``/``data:`` text; ``stream`` (the
     generation behind them) is cancelled when the response ends, so a client that leaves stops it."""
     return _EventStream(chunks, stream.cancel)
+
+
+def ndjson_response(lines, stream: RequestStream) -> StreamingResponse:
+    """Newline-delimited JSON (``application/x-ndjson``) from an async iterator of ready-made lines; ``stream``
+    is cancelled when the response ends, as in ``sse_response``."""
+    return _EventStream(lines, stream.cancel, "application/x-ndjson")
 
 
 def sse_data(obj: Any, event: Optional[str] = None) -> str:
@@ -312,6 +380,16 @@ async def with_keepalive(pieces, every: float):
             nxt = asyncio.ensure_future(it.__anext__())
     finally:
         nxt.cancel()
+
+
+async def collect(request, gen) -> list:
+    """Every piece of ``gen`` (a ``Generation``, for a reply sent whole), cancelling it if the client disconnects
+    meanwhile."""
+    watcher = asyncio.ensure_future(watch_disconnect(request, gen.stream))
+    try:
+        return [piece async for piece in gen]
+    finally:
+        watcher.cancel()
 
 
 async def watch_disconnect(request, stream) -> None:

@@ -1,6 +1,6 @@
 """HTTP errors of the API: ``ApiError`` (raised by the routes and the request parsing) and its JSON body in the
-OpenAI style (``{"error": {"message", "type", "param", "code"}}``) or the Anthropic style (``{"type": "error",
-"error": {"type", "message"}}``)."""
+OpenAI style (``{"error": {"message", "type", "param", "code"}}``), the Anthropic style (``{"type": "error",
+"error": {"type", "message"}}``) or the Ollama style (``{"error": "message"}``)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ class ApiError(Exception):
     def openai_body(self) -> dict:
         kind = OPENAI_TYPES.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def ollama_body(self) -> dict:
+        return {"error": self.message}
 
     def anthropic_body(self) -> dict:
         return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "api_error"),

@@ -48,6 +48,7 @@ class Generation:
         self.finish: Optional[FinishEvent] = None
         self._tic = time.perf_counter()
         self._first: Optional[float] = None
+        self._end: Optional[float] = None
 
     @property
     def cached_tokens(self) -> int:
@@ -63,6 +64,14 @@ class Generation:
         if self.stop_string is not None:
             return "stop"
         return self.finish.reason if self.finish is not None else "cancelled"
+
+    @property
+    def timings(self) -> tuple[float, float]:
+        """``(prefill_s, decode_s)``: seconds from submission to the first generated token (the prompt's prefill,
+        queueing included) and from it to the end (or to now, while it runs)."""
+        end = self._end or time.perf_counter()
+        first = self._first or end
+        return first - self._tic, end - first
 
     async def __aiter__(self) -> AsyncIterator[Piece]:
         try:
@@ -80,6 +89,7 @@ class Generation:
                 yield _piece(None, self.reply.finish())
         finally:
             self.stream.cancel()
+            self._end = time.perf_counter()
             self._log()
 
     def _log(self) -> None:

@@ -16,7 +16,6 @@ prefix cache supplied; ``prompt_tokens_details.image_tokens`` all of them). The 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import time
@@ -27,9 +26,9 @@ from fastapi import APIRouter, Request
 
 from ..chat.reply_stream import ReplyStream
 from ..text_stream import TextStream
-from .backend import (Backend, Prompt, check_tokens, choose_tools, reply_budget, render_prompt, resolve_thinking,
-                      sampling_params, sse_data, sse_response, stop_ids, submit, watch_disconnect,
-                      with_keepalive)
+from .backend import (EFFORTS, Backend, Prompt, check_response_format, check_tokens, choose_tools, collect,
+                      reply_budget, render_prompt, resolve_thinking, sampling_params, sse_data, sse_response, stop_ids,
+                      submit, with_keepalive)
 from .errors import GENERATION_FAILED, ApiError
 from .generation import Generation
 from .images import ImageRef, prepare_images
@@ -38,7 +37,6 @@ from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, pars
 router = APIRouter()
 
 KEEPALIVE = ": keepalive\n\n"  # an SSE comment: clients skip it
-EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
 LOGPROB_FLOOR = -9999.0  # a token of (numerically) zero probability, as OpenAI reports it
 
 
@@ -92,15 +90,6 @@ def _chat_logprobs(tokenizer, gen: Generation, piece) -> Optional[list]:
     entry = _token_logprob(tokenizer, ev.token, ev.logprob)
     entry["top_logprobs"] = [_token_logprob(tokenizer, t, lp) for t, lp in ev.top_logprobs or []]
     return [entry]
-
-
-async def collect(request: Request, gen: Generation):
-    """Every piece of ``gen`` (a reply sent whole), cancelling it if the client disconnects meanwhile."""
-    watcher = asyncio.ensure_future(watch_disconnect(request, gen.stream))
-    try:
-        return [piece async for piece in gen]
-    finally:
-        watcher.cancel()
 
 
 # ------------------------------------------------------------------------------------------------------- models
@@ -177,8 +166,7 @@ def renderer_format(backend: Backend, response_format, param: str) -> Optional[d
     """A request's reply format (a ``ResponseFormat`` or ``ResponsesTextFormat``; None: text) as the renderer's;
     the Kimi Linear chat format has no JSON mode (ApiError naming ``param``)."""
     out = response_format.for_renderer() if response_format is not None else None
-    if backend.chat_format == "kimi_linear" and out is not None:
-        raise ApiError(400, f"{param}: the Kimi Linear chat format has no JSON mode (only text)", param)
+    check_response_format(backend, out, param)
     return out
 
 

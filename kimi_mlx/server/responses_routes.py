@@ -40,12 +40,12 @@ from typing import Optional
 from fastapi import APIRouter, Request
 
 from ..chat.reply_stream import ReplyStream
-from .backend import (Backend, Prompt, choose_tools, render_prompt, reply_budget, sampling_params, sse_data,
+from .backend import (Backend, Prompt, choose_tools, collect, render_prompt, reply_budget, sampling_params, sse_data,
                       sse_response, stop_ids, submit, with_keepalive)
 from .errors import GENERATION_FAILED, ApiError
 from .generation import Generation, Piece
 from .images import ImageRef, prepare_images
-from .openai_routes import KEEPALIVE, check_finish, collect, effort_thinking, renderer_format
+from .openai_routes import KEEPALIVE, check_finish, effort_thinking, renderer_format
 from .response_store import ResponseStore
 from .schemas import ResponsesRequest, parse, request_body
 
