@@ -45,7 +45,8 @@ class Backend:
     """The loaded model behind the routes: its scheduler (running), tokenizer (mlx-lm ``TokenizerWrapper``), chat
     format, the token ids a request may use (``0 <= id < vocab_size``), the most tokens a request may hold (prompt +
     reply, ``max_context``), the defaults, and images: the model's ``image_encoder`` (None: it takes no images,
-    ``no_images`` says why) and the server's ``image_limits``."""
+    ``no_images`` says why) and the server's ``image_limits``; for ``/v1/status``: the weights' size in bytes
+    (``weights_bytes``) and the number of ranks serving the model (``ranks``)."""
 
     scheduler: Any
     tokenizer: Any
@@ -56,6 +57,8 @@ class Backend:
     image_encoder: Any = None
     no_images: str = "this model has no vision tower"
     image_limits: ImageLimits = field(default_factory=ImageLimits)
+    weights_bytes: int = 0
+    ranks: int = 1
 
 
 @dataclass
