@@ -270,7 +270,9 @@ def choose_tools(backend: Backend, tools: Optional[list], choice: Optional[str],
 
 class _EventStream(StreamingResponse):
     """A streamed response that calls ``on_close`` when it ends, however it ends (done, failed, or the client
-    gone before the first event)."""
+    gone before the first event), and then closes its chunks' generator: a client gone mid-stream leaves it
+    suspended at a ``yield``, and its ``finally`` blocks (the request's log line) would otherwise wait for the
+    garbage collector."""
 
     def __init__(self, chunks, on_close: Callable[[], None]):
         super().__init__(chunks, media_type="text/event-stream",
@@ -282,6 +284,9 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
 
 
 def sse_response(chunks, stream: RequestStream) -> StreamingResponse:

@@ -7,6 +7,7 @@
 const $ = (id) => document.getElementById(id);
 const STORE = { convs: "kimi-mlx.conversations", current: "kimi-mlx.current", settings: "kimi-mlx.settings",
                 key: "kimi-mlx.key" };
+const NO_TOOL_RESULT = "(not run: the chat page runs no tools)";
 const state = { status: null, convs: [], current: null, running: null, attachments: [],
                 settings: { system: "", temperature: "", top_p: "", max_tokens: "", thinking: true, effort: "" } };
 
@@ -145,8 +146,11 @@ function requestBody(messages) {
         [{ type: "text", text: m.content }, ...m.images.map((url) => ({ type: "image_url", image_url: { url } }))] : m.content });
     } else if (!m.error || m.content || (m.tool_calls && m.tool_calls.length)) {
       const a = { role: "assistant", content: m.content || "" };
-      if (m.tool_calls && m.tool_calls.length) a.tool_calls = m.tool_calls;
       body.messages.push(a);
+      if (m.tool_calls && m.tool_calls.length) {  // the page runs no tools: each call is answered with that fact
+        a.tool_calls = m.tool_calls;
+        for (const tc of m.tool_calls) body.messages.push({ role: "tool", tool_call_id: tc.id, content: NO_TOOL_RESULT });
+      }
     }
   }
   if (s.temperature !== "") body.temperature = Number(s.temperature);
