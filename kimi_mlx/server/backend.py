@@ -303,7 +303,8 @@ def sse_data(obj: Any, event: Optional[str] = None) -> str:
 
 async def with_keepalive(pieces, every: float):
     """``pieces`` (an async iterator), with ``None`` yielded whenever ``every`` seconds pass without one (a long
-    prefill), so the caller can send a keep-alive and the client's read timeout does not expire."""
+    prefill), so the caller can send a keep-alive and the client's read timeout does not expire. Closing this
+    generator closes ``pieces``."""
     it = pieces.__aiter__()
     nxt = asyncio.ensure_future(it.__anext__())
     try:
@@ -320,6 +321,9 @@ async def with_keepalive(pieces, every: float):
             nxt = asyncio.ensure_future(it.__anext__())
     finally:
         nxt.cancel()
+        close = getattr(it, "aclose", None)
+        if close is not None and nxt.done():
+            await close()
 
 
 async def watch_disconnect(request, stream) -> None:
