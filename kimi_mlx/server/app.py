@@ -1,5 +1,5 @@
 """The ASGI app: OpenAI and Anthropic routes (``openai_routes``, ``anthropic_routes``), the chat page at ``/`` and
-``GET /v1/status`` (``ui``), ``GET``/``HEAD /health``,
+``GET /v1/status`` (``page``), ``GET``/``HEAD /health``,
 ``GET /openapi.json`` (the request bodies' schemas are the request models', ``kimi_mlx.server.schemas``), the API
 key, and errors as JSON in the route's style — OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error",
 ...}`` on ``/v1/messages*``. Bad input never produces a traceback for the client; an unexpected failure is a 500
@@ -31,7 +31,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from . import anthropic_routes, openai_routes, ui
+from . import anthropic_routes, openai_routes, page as chat_page
 from .backend import Backend, ServerState
 from .errors import INTERNAL_ERROR, ApiError
 from .schemas import REQUEST_MODELS
@@ -93,7 +93,7 @@ def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, 
     """The app serving ``source`` (a ready ``Backend``, or a function loading one in the background) as
     ``model_id``. ``api_key``: required on every ``/v1`` route when set. ``max_body_mb``: larger request bodies
     get 413. ``keepalive_s``: a stream waiting longer than this for its next event (a long prefill) sends a
-    keep-alive (an SSE comment; Anthropic: a ``ping`` event). ``page``: serve the chat page at ``/`` (``ui``; its
+    keep-alive (an SSE comment; Anthropic: a ``ping`` event). ``page``: serve the chat page at ``/`` (module ``page``; its
     ``GET /v1/status`` is served either way). ``on_load_error(exc)``: called if loading fails (the
     app keeps answering ``/health`` with 503)."""
     state = ServerState(model_id, api_key, int(max_body_mb * 2**20), keepalive_s)
@@ -101,9 +101,9 @@ def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, 
     app.state.server = state
     app.include_router(openai_routes.router, dependencies=[Depends(_check_key)])
     app.include_router(anthropic_routes.router, dependencies=[Depends(_check_key)])
-    app.include_router(ui.router, dependencies=[Depends(_check_key)])
+    app.include_router(chat_page.router, dependencies=[Depends(_check_key)])
     if page:
-        ui.add_page(app)
+        chat_page.add_page(app)
     app.openapi = functools.partial(_cached_openapi_schema, app, model_id, api_key is not None)
     app.head("/health", operation_id="health_head")(app.get("/health")(health))
     _add_error_handlers(app)
