@@ -67,8 +67,12 @@ function load(key, fallback) {
   try { const v = localStorage.getItem(key); return v === null ? fallback : JSON.parse(v); } catch (e) { return fallback; }
 }
 function saveConvs() {
-  localStorage.setItem(STORE.convs, JSON.stringify(state.convs));
-  localStorage.setItem(STORE.current, JSON.stringify(state.current));
+  try {
+    localStorage.setItem(STORE.convs, JSON.stringify(state.convs));
+    localStorage.setItem(STORE.current, JSON.stringify(state.current));
+  } catch (e) {  // the browser's quota (images take room): the conversations stay in this tab
+    showBanner("could not save the conversations in this browser (" + e.name + "): export or delete some");
+  }
 }
 function saveSettings() { localStorage.setItem(STORE.settings, JSON.stringify(state.settings)); }
 function apiKey() { return localStorage.getItem(STORE.key) || ""; }
