@@ -284,8 +284,8 @@ def test_tool_calls_and_errors(browser, demo, shots):
     expect(last.locator(".body")).to_have_text("par")
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Tokyo"}'}}
     history = sent[1]["messages"][:4]
-    assert history[1:3] == [{"role": "assistant", "content": "", "tool_calls": [call]},
-                            {"role": "tool", "tool_call_id": "call_1", "content": "(not run: the chat page runs no tools)"}]
+    answer = {"role": "tool", "tool_call_id": "call_1", "content": "(not run: the chat page runs no tools)"}
+    assert history[1:3] == [{"role": "assistant", "content": "", "tool_calls": [call]}, answer]
     pg.unroute("**/v1/chat/completions")
     r = httpx.post(demo.url + "/chat/completions", json={**sent[1], "stream": False, "max_tokens": 2})
     assert r.status_code == 200, r.text  # the server takes the page's conversation with a call in it
