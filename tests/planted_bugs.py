@@ -900,6 +900,18 @@ BUGS: tuple[PlantedBug, ...] = (
           ""),),
         ("tests/test_server_ollama.py::test_tool_history_renders_as_chat_completions",),
     ),
+    PlantedBug(
+        "ui: the stop button does not abort the request",
+        (("kimi_mlx/server/ui/app.js", "if (state.running) state.running.controller.abort();",
+          "if (state.running) state.running.msg.stopped = true;"),),
+        ("tests/test_server_ui.py::test_stop_cancels_the_request",),
+    ),
+    PlantedBug(
+        "ui: usage stats ignore cached tokens",
+        (("kimi_mlx/server/ui/app.js", "const cached = (usage.prompt_tokens_details || {}).cached_tokens || 0;",
+          "const cached = 0;"),),
+        ("tests/test_server_ui.py::test_edit_first_message_and_regenerate",),
+    ),
 )
 
 

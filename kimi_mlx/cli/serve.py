@@ -56,6 +56,7 @@ def add_parser(commands) -> None:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require this key (Authorization: Bearer KEY, or x-api-key) on every /v1 request")
+    p.add_argument("--no-ui", action="store_true", help="do not serve the chat page at / (the API is unchanged)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id clients use (default: the --model argument)")
     p.add_argument("--max-batch", type=int, default=16, metavar="N", help="requests decoded together")
@@ -212,7 +213,7 @@ def _serve(args: argparse.Namespace, group) -> int:
         encoder = getattr(parts.model, "image_encoder", None)
         backend = Backend(parts.scheduler.start(), parts.tokenizer, parts.chat_format, vocab, args.max_kv_size,
                           defaults, encoder, getattr(parts.model, "no_images_reason", "no vision tower"), limits,
-                          describe_model(parts.model, args.model))
+                          describe_model(parts.model, args.model), group.size() if group is not None else 1)
         weights = (sum(v.nbytes for _, v in tree_flatten(parts.model.parameters()))
                    + (encoder.nbytes if encoder is not None else 0)) / 1e9  # the vision tower's too
         log.info(f"kimi-mlx serve: {url} | model {model_id} ({parts.chat_format} format) | weights {weights:.3g} GB, "
@@ -227,10 +228,11 @@ def _serve(args: argparse.Namespace, group) -> int:
         server.should_exit = True
 
     app = create_app(load, model_id=model_id, api_key=args.api_key, max_body_mb=args.max_body_mb,
-                     responses_store_mb=args.responses_store_mb, on_load_error=load_failed)
+                     responses_store_mb=args.responses_store_mb, page=not args.no_ui, on_load_error=load_failed)
     if not _loopback(args.host) and args.api_key is None:
         log.warning(f"kimi-mlx serve: listening on {args.host} without --api-key: anyone who can reach it may use it")
-    log.info(f"kimi-mlx serve: loading {args.model}; {url} answers /health with 503 until it is ready")
+    log.info(f"kimi-mlx serve: loading {args.model}; {url} answers /health with 503 until it is ready"
+             + ("" if args.no_ui else f"; chat page at {url[:-3]}/"))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=5))
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it to the handler it found: with the default one the

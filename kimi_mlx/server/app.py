@@ -1,5 +1,6 @@
 """The ASGI app: OpenAI (Chat Completions, Completions, Responses), Anthropic and Ollama routes (``openai_routes``,
-``responses_routes``, ``anthropic_routes``, ``ollama_routes``), ``GET``/``HEAD /health``, ``GET /openapi.json``
+``responses_routes``, ``anthropic_routes``, ``ollama_routes``), the chat page at ``/`` and ``GET /v1/status``
+(``page``), ``GET``/``HEAD /health``, ``GET /openapi.json``
 (the request bodies' schemas are the request models', ``kimi_mlx.server.schemas`` and ``ollama_schemas``), the API
 key, and errors as JSON in the route's style — OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error",
 ...}`` on ``/v1/messages*``, Ollama's ``{"error": "..."}`` on ``/api/*``. Bad input never produces a traceback for
@@ -33,6 +34,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from . import anthropic_routes, ollama_routes, openai_routes, responses_routes
+from . import page as chat_page
 from .backend import Backend, ServerState
 from .errors import INTERNAL_ERROR, ApiError
 from .ollama_schemas import OLLAMA_REQUEST_MODELS
@@ -95,12 +97,13 @@ def openapi_schema(app: FastAPI, model_id: str, api_key: bool) -> dict:
 
 def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, api_key: Optional[str] = None,
                max_body_mb: float = 16.0, keepalive_s: float = 10.0, responses_store_mb: float = 64.0,
-               on_load_error: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
+               page: bool = True, on_load_error: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
     """The app serving ``source`` (a ready ``Backend``, or a function loading one in the background) as
     ``model_id``. ``api_key``: required on every ``/v1`` and ``/api`` route when set. ``max_body_mb``: larger
     request bodies get 413. ``keepalive_s``: a stream waiting longer than this for its next event (a long prefill)
     sends a keep-alive (an SSE comment; Anthropic: a ``ping`` event; Ollama: an empty piece). ``responses_store_mb``:
     memory for stored Responses API responses (``previous_response_id``; the least recently used go first).
+    ``page``: serve the chat page at ``/`` (module ``page``; its ``GET /v1/status`` is served either way).
     ``on_load_error(exc)``: called if loading fails (the app keeps answering ``/health`` with 503)."""
     state = ServerState(model_id, api_key, int(max_body_mb * 2**20), keepalive_s)
     app = FastAPI(lifespan=_lifespan(state, source, on_load_error), docs_url=None, redoc_url=None)
@@ -110,6 +113,9 @@ def create_app(source: Union[Backend, Callable[[], Backend]], *, model_id: str, 
     app.include_router(anthropic_routes.router, dependencies=[Depends(_check_key)])
     app.include_router(responses_routes.router, dependencies=[Depends(_check_key)])
     app.include_router(ollama_routes.router, dependencies=[Depends(_check_key)])
+    app.include_router(chat_page.router, dependencies=[Depends(_check_key)])
+    if page:
+        chat_page.add_page(app)
     app.openapi = functools.partial(_cached_openapi_schema, app, model_id, api_key is not None)
     app.head("/health", operation_id="health_head")(app.get("/health")(health))
     _add_error_handlers(app)

@@ -99,7 +99,8 @@ class Backend:
     """The loaded model behind the routes: its scheduler (running), tokenizer (mlx-lm ``TokenizerWrapper``), chat
     format, the token ids a request may use (``0 <= id < vocab_size``), the most tokens a request may hold (prompt +
     reply, ``max_context``), the defaults, and images: the model's ``image_encoder`` (None: it takes no images,
-    ``no_images`` says why) and the server's ``image_limits``."""
+    ``no_images`` says why) and the server's ``image_limits``; what the model is (``info``: listings and
+    ``/v1/status``) and the number of ranks serving it (``ranks``)."""
 
     scheduler: Any
     tokenizer: Any
@@ -111,6 +112,7 @@ class Backend:
     no_images: str = "this model has no vision tower"
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     info: ModelInfo = field(default_factory=ModelInfo)
+    ranks: int = 1
 
 
 @dataclass
@@ -329,7 +331,9 @@ def choose_tools(backend: Backend, tools: Optional[list], choice: Optional[str],
 
 class _EventStream(StreamingResponse):
     """A streamed response that calls ``on_close`` when it ends, however it ends (done, failed, or the client
-    gone before the first event)."""
+    gone before the first event), and then closes its chunks' generator: a client gone mid-stream leaves it
+    suspended at a ``yield``, and its ``finally`` blocks (the request's log line) would otherwise wait for the
+    garbage collector."""
 
     def __init__(self, chunks, on_close: Callable[[], None], media_type: str = "text/event-stream"):
         super().__init__(chunks, media_type=media_type,
@@ -341,6 +345,9 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
 
 
 def sse_response(chunks, stream: RequestStream) -> StreamingResponse:
@@ -363,7 +370,8 @@ def sse_data(obj: Any, event: Optional[str] = None) -> str:
 
 async def with_keepalive(pieces, every: float):
     """``pieces`` (an async iterator), with ``None`` yielded whenever ``every`` seconds pass without one (a long
-    prefill), so the caller can send a keep-alive and the client's read timeout does not expire."""
+    prefill), so the caller can send a keep-alive and the client's read timeout does not expire. Closing this
+    generator closes ``pieces``."""
     it = pieces.__aiter__()
     nxt = asyncio.ensure_future(it.__anext__())
     try:
@@ -380,6 +388,9 @@ async def with_keepalive(pieces, every: float):
             nxt = asyncio.ensure_future(it.__anext__())
     finally:
         nxt.cancel()
+        close = getattr(it, "aclose", None)
+        if close is not None and nxt.done():
+            await close()
 
 
 async def collect(request, gen) -> list:
