@@ -15,10 +15,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator
 
-from .schemas import INT64, FunctionDef, _Body, _shape, integer, stop_list
+from .schemas import _STOPS, INT64, FunctionDef, _Body, _shape, integer, stop_list
 
-_STOPS = {"anyOf": [{"type": "string", "minLength": 1},
-                    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}, {"type": "null"}]}
 _FORMAT = {"anyOf": [{"enum": ["", "json"]}, {"type": "object"}, {"type": "null"}],
            "description": "\"json\", or a JSON schema the reply follows (Kimi-K3)"}
 _THINK = {"anyOf": [{"type": "boolean"}, {"enum": ["low", "medium", "high"]}, {"type": "null"}]}
