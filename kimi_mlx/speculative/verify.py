@@ -1,0 +1,54 @@
+"""One verify pass of ``[last token, d_1 .. d_k]`` through the target, and the exact rollback of a rejected suffix.
+
+``verify_pass`` takes a checkpoint of the ``HybridCache`` (``cache.checkpoint()``: the KDA conv and recurrent states,
+and the offset) before it feeds the 1 + k tokens in one forward pass. ``rollback`` then leaves the cache holding
+exactly ``last`` and the accepted drafts: when some drafts were rejected it trims the cache back to the checkpoint
+(``HybridCache.trim``: the MLA latents cut by length, float or quantized, the KDA states set back) and re-feeds the
+accepted tokens (one forward pass of n + 1 tokens). The cache then equals a fresh prefill of the same tokens.
+
+Why re-feed rather than keep per-step KDA states during the verify pass (the two options of issue 24), measured by
+``bench/bench_speculative.py`` on the demo model (CPU, float32, 2 shared cores; bench/README.md has the table):
+
+- keeping per-step states needs every KDA scan path (recurrent, chunked, their Metal kernels) to hand out the state
+  after every position (1 + k states of [B, H, Dv, Dk] float32 per KDA layer: 2 MiB per layer per position on Kimi
+  Linear 48B, 64 MiB per pass at k = 16 on its 24 KDA layers) and the conv state window per position; it costs
+  nothing after a rejection. Its cost is at least that of the plain verify pass, so the pass alone is its bound.
+- re-feeding costs one more forward pass of n + 1 tokens, only when a draft was rejected, and touches nothing below
+  the cache: the states it leaves are the ones the model's own forward computes.
+
+The measured re-feed of n + 1 tokens costs about one decode step for small n (the pass is weight-read bound, as a
+decode step is), so a pass with a rejection costs verify + one step. Re-feeding is what is built; the per-step option
+would save that one step on passes with a rejection, at the price of changes in every scan path (next step, if the
+cost curve on a Mac says it matters).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import HybridCache
+
+__all__ = ["rollback", "verify_pass"]
+
+
+def verify_pass(model: nn.Module, cache: HybridCache, last: int, drafts: Sequence[int]) -> mx.array:
+    """Feed ``[last, *drafts]`` (``last``: the newest token, not yet in ``cache``) in one pass, after a checkpoint.
+    Returns the logits ``[1 + k, vocab]``: row i predicts the token after ``last, d_1 .. d_i``."""
+    if drafts:
+        cache.checkpoint()
+    return model(mx.array([[last, *drafts]], dtype=mx.int32), cache=cache)[0]
+
+
+def rollback(model: nn.Module, cache: HybridCache, last: int, drafts: Sequence[int], accepted: int) -> None:
+    """After ``verify_pass(model, cache, last, drafts)``: keep ``last`` and the first ``accepted`` drafts in
+    ``cache``, drop the rest (back to the pass's checkpoint, then re-feed what was accepted)."""
+    if not 0 <= accepted <= len(drafts):
+        raise ValueError(f"accepted must be in [0, {len(drafts)}], got {accepted}")
+    if accepted == len(drafts):
+        return
+    cache.trim(len(drafts) + 1)
+    model(mx.array([[last, *drafts[:accepted]]], dtype=mx.int32), cache=cache)
+    mx.eval([c.state for c in cache])
