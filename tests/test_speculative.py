@@ -93,7 +93,7 @@ def test_greedy_forced_acceptance_equals_plain_decoding(arch, kv_bits, right):
     for prompt in _prompts(4, seed=2):
         plain = _plain(model, prompt, 72, kv_bits)
         drafter = ScriptedDrafter(len(prompt), plain, right)
-        length = DraftLength(5, off_below=0.0)  # never switched off: every pass drafts
+        length = DraftLength(5, start=5, off_below=0.0)  # never switched off: every pass drafts
         assert _spec(model, prompt, 64, drafter, kv_bits, k=5, length=length) == plain[:64]
         full = [(a, p) for a, p in drafter.outcomes if p > 0]
         assert full and all(a == (p if right else 0) for a, p in full)
@@ -270,21 +270,26 @@ def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
 
 
 def test_draft_length_grows_shrinks_and_switches_off():
-    L = DraftLength(8, warmup=3, off_below=0.25, cooldown=4)
-    assert L.next_length() == 8
-    L.observe(8, 8)
-    assert L.next_length() == 8
-    for _ in range(3):  # the average: 1, 0.7, 0.49, 0.343 (decay 0.7)
-        L.observe(0, L.next_length())
-    assert L.next_length() > 0
-    L.observe(0, L.next_length())  # 0.24 < 0.25: off
+    L = DraftLength(8, start=2, window=2, off_below=0.3, cooldown=4)
+    lengths = []
+    for _ in range(3):  # every draft accepted: 2 -> 4 -> 8 -> 8
+        lengths.append(L.next_length())
+        L.observe(lengths[-1], lengths[-1])
+    assert lengths == [2, 4, 8] and L.next_length() == 8
+    L.observe(2, 8)  # two accepted: draft three next
+    assert L.next_length() == 3
+    L.observe(0, 3)  # window (2 of 8, 0 of 3): 2 / 11 < 0.3: off for the cool-down
     assert L.next_length() == 0
     for _ in range(4):
+        assert L.next_length() == 0
         L.observe(0, 0)  # plain steps count the cool-down down
-    assert L.next_length() > 0
-    L2 = DraftLength(8)
-    L2.observe(2, 8)
-    assert 1 <= L2.next_length() < 8
+    assert L.next_length() == 1  # a probe at min_k
+    L.observe(0, 1)
+    L.observe(0, L.next_length())  # a probe without any acceptance: off again, the cool-down doubled
+    assert L.next_length() == 0
+    for _ in range(8):
+        L.observe(0, 0)
+    assert L.next_length() == 1
 
 
 def test_speculation_switches_off_when_every_draft_is_rejected(kl_model):

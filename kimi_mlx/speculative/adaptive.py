@@ -1,13 +1,17 @@
 """How many tokens to draft next, from the recent acceptance rate, and when to stop drafting.
 
-``DraftLength`` keeps an exponential average of the fraction of drafted tokens accepted. The next draft length
-grows by one after a pass that accepted everything and shrinks to about what the average says would be accepted
-otherwise (between ``min_k`` and ``max_k``). When the average falls below ``off_below`` (after ``warmup`` passes),
-drafting pays less than it costs (a rejected draft costs a re-feed, see ``verify``): speculation is switched off for
-``cooldown`` tokens, then tried again; each consecutive switch-off doubles the cool-down (up to ``max_cooldown``).
+``DraftLength`` starts at ``start`` drafts, doubles the length after a pass that accepted every draft (up to
+``max_k``) and after a pass with a rejection drafts one more than were accepted (a drafter that was right for n
+tokens is likely right for about n again; a pass costs more the longer it is). Speculation switches itself off when
+it does not pay: when the last ``window`` drafting passes accepted less than ``off_below`` of what they drafted, it is
+off for ``cooldown`` tokens (plain decode steps), then tried again at length ``min_k``; each switch-off that follows a
+probe without any acceptance doubles the cool-down (up to ``max_cooldown``), so at zero acceptance the probes' cost
+shrinks towards nothing (bench/bench_speculative.py: the low-acceptance rows).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 __all__ = ["DraftLength"]
 
@@ -15,14 +19,22 @@ __all__ = ["DraftLength"]
 class DraftLength:
     """Adaptive draft length with an off switch (see the module docstring)."""
 
-    def __init__(self, max_k: int, min_k: int = 1, decay: float = 0.7, off_below: float = 0.25, warmup: int = 3,
-                 cooldown: int = 16, max_cooldown: int = 256):
-        if max_k < 1 or not 1 <= min_k <= max_k:
-            raise ValueError(f"need 1 <= min_k <= max_k, got min_k={min_k}, max_k={max_k}")
-        self.max_k, self.min_k, self.decay, self.off_below = max_k, min_k, decay, off_below
-        self.warmup, self.base_cooldown, self.max_cooldown = warmup, cooldown, max_cooldown
-        self.k, self.rate, self.passes = max_k, 1.0, 0
+    def __init__(self, max_k: int, min_k: int = 1, start: int = 2, window: int = 2, off_below: float = 0.3,
+                 cooldown: int = 16, max_cooldown: int = 1024):
+        if max_k < 1 or not 1 <= min_k <= max_k or window < 1:
+            raise ValueError(f"need 1 <= min_k <= max_k and window >= 1, got min_k={min_k}, max_k={max_k}, "
+                             f"window={window}")
+        self.max_k, self.min_k, self.off_below = max_k, min_k, off_below
+        self.base_cooldown, self.max_cooldown = cooldown, max_cooldown
+        self.k = max(min_k, min(start, max_k))
+        self.recent: deque = deque(maxlen=window)
         self.off_for, self.cooldown = 0, cooldown
+
+    @property
+    def rate(self) -> float:
+        """Accepted / drafted over the recent drafting passes (1 before any)."""
+        drafted = sum(p for _, p in self.recent)
+        return sum(a for a, _ in self.recent) / drafted if drafted else 1.0
 
     def next_length(self) -> int:
         """Tokens to draft for the next pass (0: speculation is off for now)."""
@@ -33,14 +45,11 @@ class DraftLength:
         if proposed == 0:
             self.off_for = max(self.off_for - 1, 0)
             return
-        self.passes += 1
-        self.rate = self.decay * self.rate + (1 - self.decay) * accepted / proposed
-        if accepted == proposed:
-            self.k = min(self.k + 1, self.max_k)
-        else:
-            self.k = max(self.min_k, min(self.max_k, round(self.rate * self.max_k)))
-        if self.passes >= self.warmup and self.rate < self.off_below:
-            self.off_for, self.passes, self.rate = self.cooldown, 0, 1.0
-            self.cooldown = min(2 * self.cooldown, self.max_cooldown)
-        elif accepted > 0:
-            self.cooldown = self.base_cooldown
+        self.recent.append((accepted, proposed))
+        full = accepted == proposed
+        self.k = min(2 * self.k, self.max_k) if full else max(self.min_k, min(accepted + 1, self.max_k))
+        if len(self.recent) == self.recent.maxlen and self.rate < self.off_below:
+            none = all(a == 0 for a, _ in self.recent)
+            self.off_for, self.k = self.cooldown, self.min_k
+            self.cooldown = min(2 * self.cooldown, self.max_cooldown) if none else self.base_cooldown
+            self.recent.clear()
