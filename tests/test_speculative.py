@@ -309,6 +309,22 @@ def test_speculation_switches_off_when_every_draft_is_rejected(kl_model):
     assert adaptive * 4 < forced
 
 
+def test_the_callers_checkpoints_survive_speculation(kl_model):
+    """A checkpoint the caller took after the prompt is still there after speculative decoding (the passes release
+    their own), and restoring it gives the prompt's cache back."""
+    prompt = _prompts(2, seed=9)[1]
+    cache = kl_model.make_cache()
+    kl_model(mx.array([prompt]), cache=cache)
+    cp = cache.checkpoint()
+    fresh = kl_model.make_cache()
+    kl_model(mx.array([prompt]), cache=fresh)
+    out = list(speculative_steps(kl_model, [prompt[-1]] * 2, cache, PromptLookup(), params=SamplingParams(),
+                                 max_tokens=40))
+    assert out[-1][2].drafted > 0 and cache.checkpoints == [cp]
+    cache.restore(cp)
+    assert _max_diff(cache, fresh, relative=False) == 0.0
+
+
 def test_stream_generate_with_lookup_reports_counts():
     from kimi_mlx import load
     from kimi_mlx.generate import stream_generate

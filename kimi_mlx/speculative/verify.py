@@ -44,11 +44,14 @@ def verify_pass(model: nn.Module, cache: HybridCache, last: int, drafts: Sequenc
 
 def rollback(model: nn.Module, cache: HybridCache, last: int, drafts: Sequence[int], accepted: int) -> None:
     """After ``verify_pass(model, cache, last, drafts)``: keep ``last`` and the first ``accepted`` drafts in
-    ``cache``, drop the rest (back to the pass's checkpoint, then re-feed what was accepted)."""
+    ``cache``, drop the rest (back to the pass's checkpoint, then re-feed what was accepted), and release the pass's
+    checkpoint. (Taking it still counts against ``max_checkpoints``: with that many kept, the caller's oldest goes.)"""
     if not 0 <= accepted <= len(drafts):
         raise ValueError(f"accepted must be in [0, {len(drafts)}], got {accepted}")
-    if accepted == len(drafts):
+    if not drafts:
         return
-    cache.trim(len(drafts) + 1)
-    model(mx.array([[last, *drafts[:accepted]]], dtype=mx.int32), cache=cache)
-    mx.eval([c.state for c in cache])
+    if accepted < len(drafts):
+        cache.trim(len(drafts) + 1)
+        model(mx.array([[last, *drafts[:accepted]]], dtype=mx.int32), cache=cache)
+        mx.eval([c.state for c in cache])
+    cache.checkpoints.pop()  # the pass's own checkpoint (the newest): the caller's checkpoints stay as they were
