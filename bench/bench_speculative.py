@@ -107,30 +107,39 @@ class Forced:
 
 
 def throughput(model, prompt, tokens, k, reps):
+    """Decode tok/s (the prefill and first pass excluded) of plain decoding through the same loop and of speculation
+    at forced acceptance rates; every run's tokens are checked against the greedy continuation."""
     vocab = model.args.vocab_size
-    cont = [t for t, _, _ in speculative_steps(model, prompt, model.make_cache(), Forced(0, [], 0, vocab),
-                                               params=SamplingParams(), max_tokens=tokens + k + 1,
-                                               length=DraftLength(1, off_below=0.0))][: tokens + k + 1]
 
-    def run(rate, adaptive=False, plain=False):
-        length = None if adaptive else DraftLength(k, start=k, off_below=0.0)
-        drafter = Forced(len(prompt), cont, rate, vocab)
-        steps = speculative_steps(model, prompt, model.make_cache(), drafter, params=SamplingParams(),
-                                  max_tokens=tokens, num_draft_tokens=k, length=length)
-        if plain:
+    def steps(drafter, length, n):
+        return speculative_steps(model, prompt, model.make_cache(), drafter, params=SamplingParams(), max_tokens=n,
+                                 num_draft_tokens=max(k, 1), length=length)
+
+    never = DraftLength(1)
+    never.off_for = 10**9  # never drafts: plain decoding
+    cont = [t for t, _, _ in steps(Forced(0, [], 0, vocab), never, tokens + k + 1)][: tokens + k + 1]
+
+    def run(rate, mode):
+        length = DraftLength(k, start=k, off_below=0.0) if mode == "forced" else None
+        if mode == "plain":
             length = DraftLength(1)
-            length.off_for = 10**9  # never drafts: plain decoding through the same loop
-            steps = speculative_steps(model, prompt, model.make_cache(), drafter, params=SamplingParams(),
-                                      max_tokens=tokens, length=length)
-        out = [t for t, _, _ in steps][:tokens]
-        assert out == cont[:tokens], "speculation changed the greedy tokens"
+            length.off_for = 10**9
+        out, tic = [], None
+        for t, _, _ in steps(Forced(len(prompt), cont, rate, vocab), length, tokens):
+            out.append(t)
+            tic = tic or time.perf_counter()
+        assert out[:tokens] == cont[:tokens], "speculation changed the greedy tokens"
+        return (time.perf_counter() - tic) / max(len(out) - 1, 1)
 
-    plain = timed(lambda: run(0, plain=True), reps)
-    print(f"k={k}: plain {tokens / plain * 1e3:7.1f} tok/s")
-    for label, rate, adaptive in (("100%", 1.0, False), ("50%", 0.5, False), ("0%", 0.0, False),
-                                  ("0% adaptive", 0.0, True)):
-        t = timed(lambda: run(rate, adaptive), reps)
-        print(f"k={k}: accept {label:12s} {tokens / t * 1e3:7.1f} tok/s = {plain / t:5.2f} x plain")
+    def median(rate, mode):
+        return statistics.median(run(rate, mode) for _ in range(reps))
+
+    plain = median(0, "plain")
+    print(f"k={k}: plain {1 / plain:7.1f} tok/s")
+    for label, rate, mode in (("100%", 1.0, "forced"), ("50%", 0.5, "forced"), ("0%", 0.0, "forced"),
+                              ("0% adaptive", 0.0, "adaptive")):
+        t = median(rate, mode)
+        print(f"k={k}: accept {label:12s} {1 / t:7.1f} tok/s = {plain / t:5.2f} x plain")
 
 
 def main(argv=None) -> int:

@@ -279,16 +279,17 @@ def test_draft_length_grows_shrinks_and_switches_off():
     L.observe(2, 8)  # two accepted: draft three next
     assert L.next_length() == 3
     L.observe(0, 3)  # window (2 of 8, 0 of 3): 2 / 11 < 0.3: off for the cool-down
-    assert L.next_length() == 0
     for _ in range(4):
         assert L.next_length() == 0
         L.observe(0, 0)  # plain steps count the cool-down down
     assert L.next_length() == 1  # a probe at min_k
-    L.observe(0, 1)
-    L.observe(0, L.next_length())  # a probe without any acceptance: off again, the cool-down doubled
-    assert L.next_length() == 0
+    L.observe(0, 1)  # it found nothing: off again, for twice as long
     for _ in range(8):
+        assert L.next_length() == 0
         L.observe(0, 0)
+    L.observe(1, L.next_length())  # a probe that accepts: on again, growing
+    assert L.next_length() == 2
+    L.observe(0, 2)  # window (1 of 1, 0 of 2): 1 / 3 >= 0.3: still on
     assert L.next_length() == 1
 
 

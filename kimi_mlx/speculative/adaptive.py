@@ -4,9 +4,10 @@
 ``max_k``) and after a pass with a rejection drafts one more than were accepted (a drafter that was right for n
 tokens is likely right for about n again; a pass costs more the longer it is). Speculation switches itself off when
 it does not pay: when the last ``window`` drafting passes accepted less than ``off_below`` of what they drafted, it is
-off for ``cooldown`` tokens (plain decode steps), then tried again at length ``min_k``; each switch-off that follows a
-probe without any acceptance doubles the cool-down (up to ``max_cooldown``), so at zero acceptance the probes' cost
-shrinks towards nothing (bench/bench_speculative.py: the low-acceptance rows).
+off for ``cooldown`` tokens (plain decode steps), then probed with one pass at length ``min_k``: a probe that accepts
+nothing switches it off again for twice the cool-down (up to ``max_cooldown``), one that accepts something turns it
+back on. At zero acceptance the probes' cost shrinks towards nothing (bench/bench_speculative.py: the low-acceptance
+rows).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class DraftLength:
     """Adaptive draft length with an off switch (see the module docstring)."""
 
     def __init__(self, max_k: int, min_k: int = 1, start: int = 2, window: int = 2, off_below: float = 0.3,
-                 cooldown: int = 16, max_cooldown: int = 1024):
+                 cooldown: int = 32, max_cooldown: int = 1024):
         if max_k < 1 or not 1 <= min_k <= max_k or window < 1:
             raise ValueError(f"need 1 <= min_k <= max_k and window >= 1, got min_k={min_k}, max_k={max_k}, "
                              f"window={window}")
@@ -28,7 +29,7 @@ class DraftLength:
         self.base_cooldown, self.max_cooldown = cooldown, max_cooldown
         self.k = max(min_k, min(start, max_k))
         self.recent: deque = deque(maxlen=window)
-        self.off_for, self.cooldown = 0, cooldown
+        self.off_for, self.cooldown, self.probing = 0, cooldown, False
 
     @property
     def rate(self) -> float:
@@ -48,8 +49,17 @@ class DraftLength:
         self.recent.append((accepted, proposed))
         full = accepted == proposed
         self.k = min(2 * self.k, self.max_k) if full else max(self.min_k, min(accepted + 1, self.max_k))
+        if self.probing:
+            self.probing = False
+            if accepted == 0:  # the probe found nothing: off again, for longer
+                self._off(min(2 * self.cooldown, self.max_cooldown))
+                return
+            self.cooldown = self.base_cooldown
         if len(self.recent) == self.recent.maxlen and self.rate < self.off_below:
-            none = all(a == 0 for a, _ in self.recent)
-            self.off_for, self.k = self.cooldown, self.min_k
-            self.cooldown = min(2 * self.cooldown, self.max_cooldown) if none else self.base_cooldown
-            self.recent.clear()
+            self._off(self.cooldown)
+
+    def _off(self, cooldown: int) -> None:
+        """Switch speculation off for ``cooldown`` tokens; the next drafting pass is a probe at ``min_k``."""
+        self.off_for = self.cooldown = cooldown
+        self.k, self.probing = self.min_k, True
+        self.recent.clear()

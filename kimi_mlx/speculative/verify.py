@@ -6,20 +6,23 @@ exactly ``last`` and the accepted drafts: when some drafts were rejected it trim
 (``HybridCache.trim``: the MLA latents cut by length, float or quantized, the KDA states set back) and re-feeds the
 accepted tokens (one forward pass of n + 1 tokens). The cache then equals a fresh prefill of the same tokens.
 
-Why re-feed rather than keep per-step KDA states during the verify pass (the two options of issue 24), measured by
-``bench/bench_speculative.py`` on the demo model (CPU, float32, 2 shared cores; bench/README.md has the table):
+Why re-feed rather than keep per-step KDA states during the verify pass (the two options of issue 24), with the
+numbers of ``bench/bench_speculative.py`` (CPU, float32, 2 shared cores; the package docstring has the table):
 
 - keeping per-step states needs every KDA scan path (recurrent, chunked, their Metal kernels) to hand out the state
   after every position (1 + k states of [B, H, Dv, Dk] float32 per KDA layer: 2 MiB per layer per position on Kimi
-  Linear 48B, 64 MiB per pass at k = 16 on its 24 KDA layers) and the conv state window per position; it costs
-  nothing after a rejection. Its cost is at least that of the plain verify pass, so the pass alone is its bound.
-- re-feeding costs one more forward pass of n + 1 tokens, only when a draft was rejected, and touches nothing below
-  the cache: the states it leaves are the ones the model's own forward computes.
+  Linear 48B, 64 MiB per pass at k = 16 on its 24 KDA layers) and the conv window per position; it then costs
+  nothing after a rejection. It costs at least the verify pass alone, which is the bound measured for it.
+- re-feeding costs one more forward pass of n + 1 tokens, only after a rejection, and changes nothing below the
+  cache: the states it leaves are those the model's own forward computes (bitwise those of the same segments fed
+  to a fresh cache, tests/test_speculative.py).
 
-The measured re-feed of n + 1 tokens costs about one decode step for small n (the pass is weight-read bound, as a
-decode step is), so a pass with a rejection costs verify + one step. Re-feeding is what is built; the per-step option
-would save that one step on passes with a rejection, at the price of changes in every scan path (next step, if the
-cost curve on a Mac says it matters).
+Measured: a re-feed of n + 1 tokens costs about what a verify pass of that many tokens costs (1.0x a decode step for
+n = 0; 2-4x for n = 1..4 on CPU, where a multi-token pass is compute- not weight-bound), so on CPU a pass with a
+rejection costs up to ~1.8x the per-step bound. Re-feed is what is built, for exactness and for touching no scan
+path; the adaptive length keeps re-feeds short (after a rejection it drafts accepted + 1). The per-step option is
+the next step if the cost curve on a Mac (weight-bound: a 2..17-token pass near one decode step) shows re-feeds
+matter; ``rollback`` is then the one place that changes.
 """
 
 from __future__ import annotations
