@@ -101,7 +101,8 @@ def _seeded_params(sampling: Optional[SamplingParams], options: dict[str, Any]) 
 
 def _seeded_sampling(sampling: Optional[SamplingParams], options: dict[str, Any]) -> tuple[Callable, list[Callable]]:
     """(sampler, logits processors) of ``_seeded_params(sampling, options)``."""
-    return make_sampling(_seeded_params(sampling, options))
+    params = _seeded_params(sampling, options)
+    return make_sampling(params)
 
 
 @dataclass

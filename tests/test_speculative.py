@@ -66,8 +66,8 @@ def _spec(model, prompt, n, drafter, kv_bits=None, k=6, length=None):
 
 @pytest.mark.parametrize("kv_bits", [None, 8])
 def test_greedy_lookup_equals_plain_decoding(arch, kv_bits):
-    """20 prompts x 64 tokens (and 2 x 128) per fixture and latent cache: prompt-lookup speculation gives the tokens of
-    plain greedy decoding, and it did draft and accept (the check is not vacuous)."""
+    """20 prompts x 64 tokens (and 2 x 128) per fixture and latent cache: prompt-lookup speculation (kept on) gives
+    the tokens of plain greedy decoding, and it did draft, accept and reject (the check is not vacuous)."""
     _, _, _, model = arch
     drafted = accepted = 0
     for i, prompt in enumerate(_prompts(22, seed=1)):
@@ -75,8 +75,9 @@ def test_greedy_lookup_equals_plain_decoding(arch, kv_bits):
         plain = _plain(model, prompt, n, kv_bits)
         drafter = PromptLookup(max_draft=8)
         seen = []
+        length = DraftLength(8, start=8, off_below=0.0)  # kept on: every lookup hit is verified and rolled back
         steps = speculative_steps(model, prompt, model.make_cache(kv_bits=kv_bits), drafter, params=SamplingParams(),
-                                  max_tokens=n, num_draft_tokens=8)
+                                  max_tokens=n, length=length)
         for t, _, s in steps:
             seen.append((t, s))
         assert [t for t, _ in seen][:n] == plain, f"prompt {i}"
