@@ -915,10 +915,10 @@ BUGS: tuple[PlantedBug, ...] = (
     # -- speculative decoding
     PlantedBug(
         "speculative: KDA state not rolled back",
-        (("kimi_mlx/speculative/verify.py", "    cache.trim(len(drafts) + 1)\n",
-          "    for layer in cache:  # the latent trimmed, the KDA offset moved back, its state kept\n"
-          "        if layer.is_kda:\n            layer.offset -= len(drafts) + 1\n"
-          "        else:\n            layer.trim(len(drafts) + 1)\n"),),
+        (("kimi_mlx/speculative/verify.py", "        cache.trim(len(drafts) + 1)\n",
+          "        for layer in cache:  # the latent trimmed, the KDA offset moved back, its state kept\n"
+          "            if layer.is_kda:\n                layer.offset -= len(drafts) + 1\n"
+          "            else:\n                layer.trim(len(drafts) + 1)\n"),),
         ("tests/test_speculative.py::test_rollback_equals_the_same_tokens_fed_fresh",),
     ),
     PlantedBug(
