@@ -928,6 +928,12 @@ BUGS: tuple[PlantedBug, ...] = (
         ("tests/test_speculative.py::test_greedy_forced_acceptance_equals_plain_decoding",),
     ),
     PlantedBug(
+        "speculative: the logits processors see the history without the drafts before the position",
+        (("kimi_mlx/speculative/loop.py", "mx.array(history + list(drafts[:i]), dtype=mx.int32)",
+          "mx.array(history, dtype=mx.int32)"),),
+        ("tests/test_speculative.py::test_greedy_with_logits_processors_equals_plain_decoding",),
+    ),
+    PlantedBug(
         "speculative: a rejection draws from the target, not the residual",
         (("kimi_mlx/speculative/accept.py", "residual = mx.maximum(probs[n] - q, 0.0)", "residual = probs[n]"),),
         ("tests/test_speculative.py::test_sampled_acceptance_preserves_the_target_distribution",),

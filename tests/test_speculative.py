@@ -327,6 +327,33 @@ def test_the_callers_checkpoints_survive_speculation(kl_model):
     assert _max_diff(cache, fresh, relative=False) == 0.0
 
 
+def test_greedy_with_logits_processors_equals_plain_decoding():
+    """With penalties and a logit bias (processors that read the history), speculation gives the tokens of plain
+    decoding: each verified position is processed on the history plus the drafts before it. Drafts: prompt lookup,
+    and the plain continuation itself (every draft accepted, so later positions depend on the drafts' penalties)."""
+    from kimi_mlx import load
+    from kimi_mlx.generate import stream_generate
+
+    model, tok = load("demo")
+    prompt = tok.encode("one two three four, one two three four, one two three four, one two")
+    opts = dict(repetition_penalty=1.5, presence_penalty=1.0, logit_bias={int(prompt[3]): 2.0})
+    plain = [r.token for r in stream_generate(model, tok, prompt, 72, **opts)]
+    for drafter in (PromptLookup(), ScriptedDrafter(len(prompt), plain, right=True)):
+        length = DraftLength(6, start=6, off_below=0.0)
+        steps = speculative_steps(model, prompt, model.make_cache(), drafter, params=SamplingParams(**opts),
+                                  processors=_processors(opts), max_tokens=64, length=length)
+        out = list(steps)
+        assert [t for t, _, _ in out][:64] == plain[:64] and out[-1][2].drafted > 0
+        if isinstance(drafter, ScriptedDrafter):
+            assert out[-1][2].accepted == out[-1][2].drafted
+
+
+def _processors(opts):
+    from kimi_mlx.sampling import make_sampling
+
+    return make_sampling(SamplingParams(**opts))[1]
+
+
 def test_stream_generate_with_lookup_reports_counts():
     from kimi_mlx import load
     from kimi_mlx.generate import stream_generate
