@@ -51,8 +51,17 @@ Bench model of bench_vs_mlx_lm.py (hidden 768, 12 layers, float32): decode 46 ms
 3x a 1-token one: the multi-token path is compute-bound here and takes other kernels (up to ``KEY_BLOCK`` = 512 cached
 keys the MLA ``fused`` path expands per-head keys and values over the cache for T > 1; the KDA core is compiled only
 for T == 1), so speculation
-cannot pay on CPU for that model. The issue's cost curve needs a Mac, where a 2..17-token pass should cost about one
-(weight-bound) decode step: that measurement decides whether the per-step-state rollback is worth building.
+cannot pay on CPU for that model. One forward pass of T tokens after S cached ones on that model (ms, CPU):
+
+    S \ T      1      2      3      5      9
+    1        46     82    119    208    355    (~40 ms per token: compute-bound, and a MoE pass of T tokens
+    256      45    137    169    246    394     reads up to T x top-k experts' weights, not top-k)
+    1024     51    308    348    418    547    (T > 1 adds a cost that grows with S: the MLA path for T > 1)
+
+So a cheap verify needs (1) an MLA path for small T whose cost per cached key is that of decode (absorbed, latent
+space), and (2) on MoE models, expect the pass to read more experts than a decode step (drafts that route alike
+help). The issue's cost curve needs a Mac, where a 2..17-token pass is weight-bound: that measurement decides whether
+the per-step-state rollback is worth building.
 
 Not done (for the next session):
 - draft models (``draft_model=``: a Kimi model with its own ``HybridCache``, rolled back the same way: its
