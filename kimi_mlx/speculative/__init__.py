@@ -53,7 +53,7 @@ keys the MLA ``fused`` path expands per-head keys and values over the cache for 
 for T == 1), so speculation
 cannot pay on CPU for that model. One forward pass of T tokens after S cached ones on that model (ms, CPU):
 
-    S \ T      1      2      3      5      9
+    S, T       1      2      3      5      9
     1        46     82    119    208    355    (~40 ms per token: compute-bound, and a MoE pass of T tokens
     256      45    137    169    246    394     reads up to T x top-k experts' weights, not top-k)
     1024     51    308    348    418    547    (T > 1 adds a cost that grows with S: the MLA path for T > 1)
