@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -27,6 +28,7 @@ from .chat.images import prepare_images
 from .image_prompt import ImagePrefill, ImageRows, PromptImage
 from .ops.memory import wired_during
 from .sampling import SamplingParams, make_sampling
+from .speculative import make_drafter, speculative_steps
 from .text_stream import TextStream
 from .validation import check_context, check_token_ids
 
@@ -88,13 +90,41 @@ def with_images(model: nn.Module, prompt: mx.array, images: Sequence) -> nn.Modu
     return ImagePrefill(model, rows, 0, encoder.features) if prepared else model
 
 
-def _seeded_sampling(sampling: Optional[SamplingParams], options: dict[str, Any]) -> tuple[Callable, list[Callable]]:
-    """(sampler, logits processors) of ``sampling`` (default greedy) with ``options`` (``SamplingParams`` options by
-    name) on top; a ``seed`` seeds MLX's generator here."""
+def _seeded_params(sampling: Optional[SamplingParams], options: dict[str, Any]) -> SamplingParams:
+    """``sampling`` (default greedy) with ``options`` (``SamplingParams`` options by name) on top; a ``seed`` seeds
+    MLX's generator here."""
     params = (sampling or SamplingParams()).updated(**options)
     if params.seed is not None:
         mx.random.seed(params.seed % 2**64)
+    return params
+
+
+def _seeded_sampling(sampling: Optional[SamplingParams], options: dict[str, Any]) -> tuple[Callable, list[Callable]]:
+    """(sampler, logits processors) of ``_seeded_params(sampling, options)``."""
+    params = _seeded_params(sampling, options)
     return make_sampling(params)
+
+
+@dataclass
+class SpeculativeResponse(GenerationResponse):
+    """A ``GenerationResponse`` with the speculation counts so far: ``drafted_tokens`` proposed to a verify pass,
+    ``accepted_tokens`` of them accepted (both 0 without ``draft=``); ``from_draft`` marks an accepted draft."""
+
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+def _prompt_and_images(model: nn.Module, tokenizer: TokenizerWrapper, prompt, images: Sequence) -> tuple:
+    """(ids ``[T]``, images) of ``stream_generate``'s ``prompt`` and ``images`` (a conversation rendered)."""
+    if images and isinstance(prompt, str):
+        raise ValueError("images= with a text prompt: give token ids that hold the images' placeholders "
+                         "(render_chat writes them for image parts of a message)")
+    if is_messages(prompt):
+        if images:
+            raise ValueError("images= with a list of messages: put the images in the messages as "
+                             "{'type': 'image', 'image': X} parts")
+        prompt, images = chat_prompt(model, tokenizer, prompt)
+    return _prompt_ids(tokenizer, prompt), images
 
 
 @wired_during(generation_stream)
@@ -113,9 +143,11 @@ def stream_generate(
     kv_group_size: int = 64,
     quantized_kv_start: int = 0,
     images: Sequence = (),
+    draft=None,
+    num_draft_tokens: int = 8,
     **options: Any,
 ) -> Iterator[GenerationResponse]:
-    """Yield one ``GenerationResponse`` per generated token (text may be ``""`` while bytes are incomplete).
+    """Yield one ``GenerationResponse`` (a ``SpeculativeResponse``) per generated token (text may be ``""`` while bytes are incomplete).
 
     prompt: text (encoded as plain text, special-token strings are not interpreted), token ids, or a conversation
     (a list of chat messages, rendered by ``chat_prompt``: the chat format's defaults and the generation prompt;
@@ -134,19 +166,20 @@ def stream_generate(
     Latent cache: ``kv_bits`` (8 or 4, None: float) with ``kv_group_size`` (32, 64, 128) quantizes the MLA layers'
     cache once it holds ``quantized_kv_start`` tokens (checked after each prefill chunk and step, as mlx-lm does;
     0: from the first chunk on). Requires ``prompt_cache`` (mlx-lm makes a fresh float cache otherwise).
+    Speculative decoding (``kimi_mlx.speculative``; not with ``images`` or a custom ``sampler=``): ``draft="lookup"``
+    or a drafter proposes up to ``num_draft_tokens`` tokens per verify pass; same greedy text, same sampled
+    distribution; the responses count ``drafted_tokens`` / ``accepted_tokens``.
     """
-    if images and isinstance(prompt, str):
-        raise ValueError("images= with a text prompt: give token ids that hold the images' placeholders "
-                         "(render_chat writes them for image parts of a message)")
-    if is_messages(prompt):
-        if images:
-            raise ValueError("images= with a list of messages: put the images in the messages as "
-                             "{'type': 'image', 'image': X} parts")
-        prompt, images = chat_prompt(model, tokenizer, prompt)
-    prompt = _prompt_ids(tokenizer, prompt)
+    prompt, images = _prompt_and_images(model, tokenizer, prompt, images)
     cached = next(iter(prompt_cache)).offset if prompt_cache else 0
     check_prompt(model, prompt, cached=cached)
     check_kv_settings(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
+    text = TextStream(tokenizer, stop_strings, frozenset(tokenizer.eos_token_ids) | frozenset(stop_tokens))
+    if draft is not None:
+        steps = _speculative(model, prompt, prompt_cache, make_drafter(draft, num_draft_tokens), sampling, options,
+                             max_tokens, num_draft_tokens, prefill_step_size,
+                             (kv_bits, kv_group_size, quantized_kv_start), bool(images))
+        return (yield from _responses(steps, text, prompt.size, max_tokens))
     stepper = with_images(model, prompt, images)
     sampler, processors = _seeded_sampling(sampling, options)
     steps = generate_step(
@@ -154,26 +187,49 @@ def stream_generate(
         prompt_cache=prompt_cache, prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
         quantized_kv_start=quantized_kv_start,
     )
-    text = TextStream(tokenizer, stop_strings, frozenset(tokenizer.eos_token_ids) | frozenset(stop_tokens))
     yield from _responses(steps, text, prompt.size, max_tokens)
 
 
-def _responses(steps: Iterable[tuple[int, mx.array]], text: TextStream, prompt_tokens: int,
-               max_tokens: int) -> Iterator[GenerationResponse]:
-    """One response per (token, logprobs ``[vocab]``) of ``steps``, carrying the text ``text`` releases for it; the
-    last one has ``finish_reason`` "stop" (a stop token or string) or "length" and the held-back tail."""
+def _speculative(model, prompt: mx.array, cache, drafter, sampling, options, max_tokens: int, num_draft_tokens: int,
+                 prefill_step_size: int, kv: tuple, images: bool):
+    """``speculative_steps`` for ``stream_generate``'s arguments (a fresh cache when none is given)."""
+    if images:
+        raise ValueError("draft= with images= is not supported yet")
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    params = _seeded_params(sampling, options)
+    _, processors = make_sampling(params.updated(temp=0.0, sampler=None))
+    kv_bits, kv_group_size, quantized_kv_start = kv
+
+    def quantize(c):
+        maybe_quantize_kv_cache(c, quantized_kv_start, kv_group_size, kv_bits)
+
+    cache = model.make_cache() if cache is None else cache
+    return speculative_steps(model, prompt.tolist(), cache, drafter, params=params, processors=processors,
+                             max_tokens=max_tokens, num_draft_tokens=num_draft_tokens,
+                             prefill_step_size=prefill_step_size, after_forward=quantize)
+
+
+def _responses(steps: Iterable[tuple], text: TextStream, prompt_tokens: int,
+               max_tokens: int) -> Iterator[SpeculativeResponse]:
+    """One response per (token, logprobs ``[vocab]``) or (token, logprobs, ``Speculation``) of ``steps``, carrying
+    the text ``text`` releases for it; the last one has ``finish_reason`` "stop" (a stop token or string) or
+    "length" and the held-back tail."""
     tic = time.perf_counter()
-    prompt_tps = 0.0
+    prompt_tps, spec = 0.0, None
 
     def response(token, logprobs, n, segment, reason):
-        return GenerationResponse(
-            text=segment, token=token, logprobs=logprobs, from_draft=False, prompt_tokens=prompt_tokens,
-            prompt_tps=prompt_tps, generation_tokens=n, generation_tps=n / max(time.perf_counter() - tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=reason,
+        return SpeculativeResponse(
+            text=segment, token=token, logprobs=logprobs, from_draft=bool(spec and spec.from_draft),
+            prompt_tokens=prompt_tokens, prompt_tps=prompt_tps, generation_tokens=n,
+            generation_tps=n / max(time.perf_counter() - tic, 1e-9), peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=reason, drafted_tokens=spec.drafted if spec else 0,
+            accepted_tokens=spec.accepted if spec else 0,
         )
 
     n, token, logprobs, segment = 0, None, None, ""
-    for n, (token, logprobs) in enumerate(steps, start=1):
+    for n, (token, logprobs, *more) in enumerate(steps, start=1):
+        spec = more[0] if more else None
         if n == 1:
             prompt_tps = prompt_tokens / (time.perf_counter() - tic)
             tic = time.perf_counter()

@@ -912,6 +912,32 @@ BUGS: tuple[PlantedBug, ...] = (
           "const cached = 0;"),),
         ("tests/test_server_ui.py::test_edit_first_message_and_regenerate",),
     ),
+    # -- speculative decoding
+    PlantedBug(
+        "speculative: KDA state not rolled back",
+        (("kimi_mlx/speculative/verify.py", "        cache.trim(len(drafts) + 1)\n",
+          "        for layer in cache:  # the latent trimmed, the KDA offset moved back, its state kept\n"
+          "            if layer.is_kda:\n                layer.offset -= len(drafts) + 1\n"
+          "            else:\n                layer.trim(len(drafts) + 1)\n"),),
+        ("tests/test_speculative.py::test_rollback_equals_the_same_tokens_fed_fresh",),
+    ),
+    PlantedBug(
+        "speculative: accepts one token too many",
+        (("kimi_mlx/speculative/accept.py", "    return list(drafts[:n]) + [best[n]], n\n",
+          "    n = min(n + 1, len(drafts))\n    return list(drafts[:n]) + [best[n]], n\n"),),
+        ("tests/test_speculative.py::test_greedy_forced_acceptance_equals_plain_decoding",),
+    ),
+    PlantedBug(
+        "speculative: the logits processors see the history without the drafts before the position",
+        (("kimi_mlx/speculative/loop.py", "mx.array(history + list(drafts[:i]), dtype=mx.int32)",
+          "mx.array(history, dtype=mx.int32)"),),
+        ("tests/test_speculative.py::test_greedy_with_logits_processors_equals_plain_decoding",),
+    ),
+    PlantedBug(
+        "speculative: a rejection draws from the target, not the residual",
+        (("kimi_mlx/speculative/accept.py", "residual = mx.maximum(probs[n] - q, 0.0)", "residual = probs[n]"),),
+        ("tests/test_speculative.py::test_sampled_acceptance_preserves_the_target_distribution",),
+    ),
 )
 
 

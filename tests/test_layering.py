@@ -29,7 +29,7 @@ FLOORS = {
     "server": 4,
     "loading": 3, "demo": 3, "parallel": 3, "tuner": 3,
     "models": 2, "vision": 2,
-    "layers": 1, "generate": 1, "image_prompt": 1, "sampling": 1, "text_stream": 1, "chat": 1,
+    "layers": 1, "generate": 1, "speculative": 1, "image_prompt": 1, "sampling": 1, "text_stream": 1, "chat": 1,
     "ops": 0, "convert": 0, "cache": 0, "prompt_cache": 0, "config": 0, "tokenizer": 0, "validation": 0,
     "metal": 0, "metal_kernels": 0, "data": 0,
 }

@@ -1,0 +1,71 @@
+"""Drafters: who proposes the tokens a verify pass checks.
+
+A ``Drafter`` proposes up to ``k`` next tokens after ``history`` (the prompt and every token generated so far, ids)
+and hears back, after each verify pass, how many of its proposals were accepted (``observe``), so that it can adapt.
+A drafter that also gives its proposal distribution (``draft_probs``) lets the sampled acceptance rule use it; the
+model-free drafters here propose deterministic tokens (their distribution is one-hot).
+
+``PromptLookup`` is model-free: it finds the most recent earlier occurrence of the history's last n tokens (n tried
+from the largest of ``ngram_sizes`` down) and proposes the tokens that followed it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, Sequence
+
+__all__ = ["Drafter", "PromptLookup", "make_drafter"]
+
+
+class Drafter(Protocol):
+    """What the speculative loop asks of a drafter."""
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` draft ids to follow ``history`` (may be fewer, or none)."""
+
+    def observe(self, accepted: int, proposed: int) -> None:
+        """The last proposal's outcome: ``accepted`` of its ``proposed`` tokens were accepted."""
+
+
+class PromptLookup:
+    """N-gram lookup over the prompt and the generated text (model-free drafts).
+
+    ngram_sizes: the match lengths tried, largest first (a longer match is a better predictor); max_draft: at most this
+    many tokens proposed per call (``k`` caps it further). Matches are searched from the most recent backwards, the
+    last ``window`` tokens of the history only (bounded cost per call)."""
+
+    def __init__(self, ngram_sizes: Sequence[int] = (3, 2, 1), max_draft: int = 16, window: int = 8192):
+        sizes = sorted({int(n) for n in ngram_sizes}, reverse=True)
+        if not sizes or sizes[-1] < 1:
+            raise ValueError(f"ngram_sizes must be positive integers, got {ngram_sizes}")
+        if max_draft < 1 or window < 2:
+            raise ValueError(f"max_draft must be >= 1 and window >= 2, got {max_draft}, {window}")
+        self.ngram_sizes, self.max_draft, self.window = tuple(sizes), max_draft, window
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        k = min(k, self.max_draft)
+        h = list(history[-self.window :])
+        if k <= 0:
+            return []
+        for n in self.ngram_sizes:
+            if len(h) <= n:
+                continue
+            tail = h[-n:]
+            # most recent earlier occurrence whose continuation is non-empty
+            for start in range(len(h) - n - 1, -1, -1):
+                if h[start : start + n] == tail:
+                    return h[start + n : start + n + k]
+        return []
+
+    def observe(self, accepted: int, proposed: int) -> None:
+        """Prompt lookup keeps no state between calls."""
+
+
+def make_drafter(draft, max_draft: int) -> Optional[Drafter]:
+    """``draft`` as a drafter: None (no speculation), "lookup" (``PromptLookup`` with ``max_draft``), or a drafter."""
+    if draft is None:
+        return None
+    if draft == "lookup":
+        return PromptLookup(max_draft=max_draft)
+    if hasattr(draft, "propose") and hasattr(draft, "observe"):
+        return draft
+    raise ValueError(f"draft must be None, 'lookup' or a drafter (propose/observe), got {draft!r}")

@@ -1,0 +1,102 @@
+"""The speculative decoding loop (batch of one): draft, verify in one pass, accept, roll back, adapt.
+
+``speculative_steps`` yields one ``(token, logprobs, Speculation)`` per generated token, in the order plain decoding
+would give them; ``Speculation`` says whether the token was a draft the target accepted and the running counts of
+drafted and accepted tokens. Greedy output is token for token that of plain decoding; sampled output has the
+target's distribution (``accept``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import HybridCache
+from ..sampling import SamplingParams
+from .accept import TargetSampling, accept_greedy, accept_sampled
+from .adaptive import DraftLength
+from .drafts import Drafter
+from .verify import rollback, verify_pass
+
+__all__ = ["Speculation", "check_speculative_sampling", "speculative_steps"]
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Per token: ``from_draft`` (a drafted token the target accepted), and the counts so far of ``drafted`` tokens
+    (proposed to a verify pass) and ``accepted`` ones."""
+
+    from_draft: bool
+    drafted: int
+    accepted: int
+
+
+def check_speculative_sampling(params: SamplingParams) -> None:
+    """Refuse sampling options the acceptance rule cannot reproduce: a custom ``sampler`` (its distribution is
+    unknown)."""
+    if params.sampler is not None:
+        raise ValueError("speculative decoding needs the target's distribution: a custom sampler= is not supported "
+                         "with draft=")
+
+
+def _processed(processors: Sequence[Callable], history: list[int], drafts: Sequence[int],
+               logits: mx.array) -> mx.array:
+    """Log-probabilities [1 + k, vocab] of the verify pass, row i after the logits processors on the history
+    extended by the first i drafts (what plain decoding would have seen there)."""
+    if processors:
+        rows = []
+        for i in range(logits.shape[0]):
+            row, seen = logits[i : i + 1], mx.array(history + list(drafts[:i]), dtype=mx.int32)
+            for process in processors:
+                row = process(seen, row)
+            rows.append(row)
+        logits = mx.concatenate(rows, axis=0)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _prefill(model: nn.Module, cache: HybridCache, ids: list[int], step: int, after: Callable) -> None:
+    """Feed ``ids`` into ``cache`` in chunks of ``step`` tokens."""
+    for s in range(0, len(ids), step):
+        model(mx.array([ids[s : s + step]], dtype=mx.int32), cache=cache)
+        after(cache)
+        mx.eval([c.state for c in cache])
+
+
+def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCache, drafter: Drafter, *,
+                      params: SamplingParams, processors: Sequence[Callable] = (), max_tokens: int = 256,
+                      num_draft_tokens: int = 8, prefill_step_size: int = 2048,
+                      length: Optional[DraftLength] = None,
+                      after_forward: Callable = lambda cache: None) -> Iterator[tuple[int, mx.array, Speculation]]:
+    """Generate up to ``max_tokens`` tokens after ``prompt`` (ids not yet in ``cache``) with drafts from ``drafter``.
+
+    params: the sampling options (temp 0: greedy; else temp / top_p / min_p / top_k as mlx-lm's sampler; no custom
+    sampler); processors: the logits processors (penalties, logit bias), applied per position; length: the adaptive
+    draft length (default ``DraftLength(num_draft_tokens)``); after_forward: called with the cache after each forward
+    pass (latent-cache quantization). Yields (token, logprobs [vocab], Speculation)."""
+    check_speculative_sampling(params)
+    length = length or DraftLength(num_draft_tokens)
+    target = TargetSampling(params.temp, params.top_p, params.min_p, params.top_k) if params.temp > 0 else None
+    history = list(prompt)
+    _prefill(model, cache, history[:-1], prefill_step_size, after_forward)
+    last, produced, drafted, accepted = history[-1], 0, 0, 0
+    while produced < max_tokens:
+        k = min(length.next_length(), max_tokens - produced - 1)
+        drafts = drafter.propose(history, k)[:k] if k > 0 else []
+        logits = verify_pass(model, cache, last, drafts)
+        logprobs = _processed(processors, history, drafts, logits)
+        if target is None:
+            tokens, n = accept_greedy(logprobs, drafts)
+        else:
+            tokens, n = accept_sampled(target.probs(logprobs), drafts)
+        rollback(model, cache, last, drafts, n)
+        after_forward(cache)
+        length.observe(n, len(drafts))
+        drafter.observe(n, len(drafts))
+        drafted, accepted = drafted + len(drafts), accepted + n
+        for i, token in enumerate(tokens):
+            yield token, logprobs[i], Speculation(i < n, drafted, accepted)
+        history += tokens
+        last, produced = tokens[-1], produced + len(tokens)
