@@ -65,6 +65,31 @@ def _prefill(model: nn.Module, cache: HybridCache, ids: list[int], step: int, af
         mx.eval([c.state for c in cache])
 
 
+def _plain_run(model: nn.Module, cache: HybridCache, last: int, n: int, target: Optional[TargetSampling],
+               after_forward: Callable) -> Iterator[tuple[int, mx.array]]:
+    """``n`` plain decode steps after ``last`` (not yet in ``cache``), each launched before the previous token is read
+    (as mlx-lm's ``generate_step``: the next forward is built while this one runs). Yields (token, logprobs [vocab]).
+    Greedy: the argmax; sampled: a draw from the target's distribution (what a pass without drafts accepts)."""
+
+    def step(y: mx.array) -> tuple[mx.array, mx.array]:
+        logits = model(y.reshape(1, 1), cache=cache)[0, -1]
+        after_forward(cache)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        if target is None:
+            return mx.argmax(logprobs), logprobs
+        return mx.random.categorical(mx.log(target.probs(logprobs[None])[0])), logprobs
+
+    y, logprobs = step(mx.array(last, dtype=mx.int32))
+    mx.async_eval(y, logprobs)
+    for i in range(n):
+        if i + 1 < n:
+            y_next, logprobs_next = step(y)
+            mx.async_eval(y_next, logprobs_next)
+        yield int(y.item()), logprobs
+        if i + 1 < n:
+            y, logprobs = y_next, logprobs_next
+
+
 def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCache, drafter: Drafter, *,
                       params: SamplingParams, processors: Sequence[Callable] = (), max_tokens: int = 256,
                       num_draft_tokens: int = 8, prefill_step_size: int = 2048,
@@ -83,6 +108,15 @@ def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCach
     _prefill(model, cache, history[:-1], prefill_step_size, after_forward)
     last, produced, drafted, accepted = history[-1], 0, 0, 0
     while produced < max_tokens:
+        off = min(getattr(length, "off_for", 0), max_tokens - produced)
+        if off > 1 and not processors:  # speculation is off for a while: plain decode steps, pipelined
+            for token, logprobs in _plain_run(model, cache, last, off, target, after_forward):
+                length.observe(0, 0)
+                produced += 1
+                yield token, logprobs, Speculation(False, drafted, accepted)
+                history.append(token)
+                last = token
+            continue
         k = min(length.next_length(), max_tokens - produced - 1)
         drafts = drafter.propose(history, k)[:k] if k > 0 else []
         logits = verify_pass(model, cache, last, drafts)
