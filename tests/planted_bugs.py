@@ -938,6 +938,12 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/speculative/accept.py", "residual = mx.maximum(probs[n] - q, 0.0)", "residual = probs[n]"),),
         ("tests/test_speculative.py::test_sampled_acceptance_preserves_the_target_distribution",),
     ),
+    PlantedBug(
+        "speculative: one paying pass after a probe resets the back-off",
+        (("kimi_mlx/speculative/adaptive.py", "        if self.paying > self.recent.maxlen:",
+          "        if self.paying >= 1:"),),
+        ("tests/test_speculative.py::test_draft_length_at_zero_acceptance_backs_off_exponentially",),
+    ),
 )
 
 

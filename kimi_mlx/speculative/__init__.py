@@ -10,9 +10,12 @@ One job per module, on floor 1 beside ``generate`` (it imports ``cache`` and ``s
 - ``accept``: greedy acceptance (argmax match) and the speculative-sampling rule (min(1, p/q), residual max(p - q, 0);
   one-hot q for model-free drafts); ``TargetSampling`` gives the target's distribution for mlx-lm's temp / top_p /
   min_p / top_k.
-- ``adaptive``: ``DraftLength``, the next draft length from the recent acceptance, and the off switch.
+- ``adaptive``: ``DraftLength``, the next draft length from the recent acceptance, and the cost-aware off switch
+  (off while the expected tokens per pass at the measured acceptance do not pay for the pass; exponential back-off
+  between probes).
 - ``loop``: ``speculative_steps`` (batch of one): prefill, then draft / verify / accept / roll back / adapt, yielding
-  ``(token, logprobs, Speculation)``.
+  ``(token, logprobs, Speculation)``; while speculation is off it runs plain decode steps pipelined as mlx-lm's
+  ``generate_step`` (the next forward built before the current token is read).
 
 Surface so far: ``stream_generate(..., draft="lookup" | a Drafter, num_draft_tokens=k)`` (and ``generate``, which
 passes keywords on); every response is a ``SpeculativeResponse`` (``generate.py``: a ``GenerationResponse`` with

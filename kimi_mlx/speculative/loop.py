@@ -100,7 +100,11 @@ def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCach
     params: the sampling options (temp 0: greedy; else temp / top_p / min_p / top_k as mlx-lm's sampler; no custom
     sampler); processors: the logits processors (penalties, logit bias), applied per position; length: the adaptive
     draft length (default ``DraftLength(num_draft_tokens)``); after_forward: called with the cache after each forward
-    pass (latent-cache quantization). Yields (token, logprobs [vocab], Speculation)."""
+    pass (latent-cache quantization). Yields (token, logprobs [vocab], Speculation).
+
+    While ``length`` has speculation off (its ``off_for`` > 1) and there are no logits processors, the steps run
+    pipelined (``_plain_run``): then, as with ``generate_step``, the cache already holds the token just yielded
+    when the consumer stops early."""
     check_speculative_sampling(params)
     length = length or DraftLength(num_draft_tokens)
     target = TargetSampling(params.temp, params.top_p, params.min_p, params.top_k) if params.temp > 0 else None
