@@ -82,11 +82,13 @@ Not done (for the next session):
 
 from .accept import TargetSampling, accept_greedy, accept_sampled
 from .adaptive import DraftLength
+from .draft_model import DraftModel, check_draft_vocab
 from .drafts import Drafter, PromptLookup, make_drafter
 from .loop import Speculation, check_speculative_sampling, speculative_steps
 from .verify import rollback, verify_pass
 
 __all__ = [
-    "Drafter", "DraftLength", "PromptLookup", "Speculation", "TargetSampling", "accept_greedy", "accept_sampled",
-    "check_speculative_sampling", "make_drafter", "rollback", "speculative_steps", "verify_pass",
+    "DraftModel", "Drafter", "DraftLength", "PromptLookup", "Speculation", "TargetSampling", "accept_greedy",
+    "accept_sampled", "check_draft_vocab", "check_speculative_sampling", "make_drafter", "rollback",
+    "speculative_steps", "verify_pass",
 ]
