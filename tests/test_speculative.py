@@ -290,8 +290,8 @@ def test_low_acceptance_costs_a_few_extra_positions(kl_model):
     """Every draft rejected, the default adaptive length: over 256 tokens the passes feed at most 8 positions beyond
     plain decoding's one per token (the drafting passes back off exponentially: passes at tokens 0, 66, 195), and
     between them the model runs plain single-token steps. The tokens are plain decoding's."""
-    prompt = _prompts(3, seed=11)[2]
-    plain = _plain(kl_model, prompt, 260)
+    prompt = random_prompts(3, seed=11)[2]
+    plain = plain_greedy(kl_model, prompt, 260)
     counting = CountingModel(kl_model)
     drafter = ScriptedDrafter(len(prompt), plain, False)
     out = list(speculative_steps(counting, prompt, kl_model.make_cache(), drafter, params=SamplingParams(),
