@@ -54,28 +54,6 @@ def load(which: str):
     return load_kimi(checkpoint_dir(Path.home() / ".cache" / "kimi_mlx_bench"), mx.float32)
 
 
-def timed(fn, reps: int) -> float:
-    fn()
-    out = []
-    for _ in range(reps):
-        tic = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - tic)
-    return statistics.median(out) * 1e3
-
-
-def timed_part(setup, work, teardown, reps: int) -> float:
-    """Median ms of ``work`` (evaluated) between an untimed ``setup`` and ``teardown``, after one warm-up."""
-    out = []
-    for i in range(reps + 1):
-        setup()
-        tic = time.perf_counter()
-        work()
-        out.append(time.perf_counter() - tic)
-        teardown()
-    return statistics.median(out[1:]) * 1e3
-
-
 def pass_costs(model, prompt: list[int], ks: list[int], reps: int) -> dict[int, float]:
     """Prints and returns {k: verify pass of 1 + k tokens in decode steps} (k = 0: the decode step itself)."""
     cache = model.make_cache()
@@ -88,17 +66,40 @@ def pass_costs(model, prompt: list[int], ks: list[int], reps: int) -> dict[int, 
     def verify(k):
         mx.eval(verify_pass(model, cache, 7, [7] * k), [c.state for c in cache])
 
-    base = timed_part(cache.checkpoint, lambda: forward(1), lambda: cache.trim(1), reps)
-    print(f"decode (1 token): {base:.2f} ms")
+    def once(setup, work, teardown):
+        setup()
+        tic = time.perf_counter()
+        work()
+        t = time.perf_counter() - tic
+        teardown()
+        return t * 1e3
+
+    def decode():
+        return once(cache.checkpoint, lambda: forward(1), lambda: cache.trim(1))
+
+    def pass_k(k):
+        return once(lambda: None, lambda: verify(k), lambda: cache.trim(k + 1))
+
+    def refeed(k):
+        return once(lambda: verify(k), lambda: (cache.trim(k + 1), forward(k // 2 + 1)), lambda: _undo(cache, k // 2))
+
+    for k in ks:  # warm-up: every shape once
+        pass_k(k), refeed(k)
+    base, t, r = [], {k: [] for k in ks}, {k: [] for k in ks}
+    for _ in range(reps):  # interleaved rounds: a slow phase of the machine hits every k alike
+        for k in ks:
+            base.append(decode())
+            t[k].append(pass_k(k) / base[-1])
+            r[k].append(refeed(k) / base[-1])
+    med = statistics.median
+    print(f"decode (1 token): {med(base):.2f} ms (rounds {min(base):.2f}-{max(base):.2f}); each ratio below is the "
+          f"median over {reps} rounds of the pass / the decode step timed just before it")
     costs = {0: 1.0}
     for k in ks:
-        t = timed_part(lambda: None, lambda: verify(k), lambda: cache.trim(k + 1), reps)
-        n = k // 2
-        r = timed_part(lambda: verify(k), lambda: (cache.trim(k + 1), forward(n + 1)),
-                       lambda: _undo(cache, n), reps)
-        costs[k] = t / base
-        print(f"verify k={k:2d}: {t:7.2f} ms = {t / base:5.2f} x decode   refeed n={n:2d}: {r:6.2f} ms "
-              f"= {r / base:4.2f} x decode   (pass with a rejection: {(t + r) / base:5.2f} x decode)")
+        costs[k] = med(t[k])
+        print(f"verify k={k:2d}: {med(t[k]):5.2f} x decode (rounds {min(t[k]):5.2f}-{max(t[k]):5.2f})   "
+              f"refeed n={k // 2:2d}: {med(r[k]):5.2f} x decode   (pass with a rejection: "
+              f"{med(t[k]) + med(r[k]):5.2f} x decode)")
     return costs
 
 

@@ -15,6 +15,7 @@ from speculative_helpers import (
 )
 
 from kimi_mlx.sampling import SamplingParams
+from kimi_mlx.speculative.adaptive import EMPTY_OFF
 from kimi_mlx.speculative import (
     DraftLength, PromptLookup, TargetSampling, accept_greedy, accept_sampled, rollback, speculative_steps, verify_pass,
 )
@@ -248,6 +249,11 @@ def test_draft_length_at_zero_acceptance_backs_off_exponentially():
     assert passes(1024, 0) == 7  # at 0, 17, 50, 115, 244, 501, 1014: cool-downs 16, 32, .. 512
     assert passes(4096, 0) == 10  # then one per max_cooldown (1024)
     assert passes(4096, 4) <= 14
+    empty = DraftLength(8, cooldown=16)  # a drafter with nothing to propose: off after EMPTY_OFF asks
+    for _ in range(EMPTY_OFF):
+        assert empty.next_length() == 2
+        empty.observe(0, 0)
+    assert empty.next_length() == 0 and empty.off_for == 16
     forced = DraftLength(8, off_below=0.0)  # off_below 0: never off, whatever the cost
     for _ in range(10):
         forced.observe(0, forced.next_length())

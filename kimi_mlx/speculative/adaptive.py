@@ -20,6 +20,10 @@ that paid, so a drafter that is right now and then (a probe that happens to hit,
 instead of being retried every ``cooldown`` tokens. At zero acceptance the drafting passes of n generated tokens are
 about log2(n / cooldown) + 1.
 
+A drafter with nothing to propose (prompt lookup without a match) costs a plain step, but one that cannot be
+pipelined (the next token must be read to look it up): after ``EMPTY_OFF`` such steps in a row speculation is off as
+after a pass that did not pay, so that the steps run pipelined until the next probe.
+
 ``draft_cost`` and ``refeed_cost`` are in units of one decode step: the defaults (0.25, 1.0) are a weight-bound
 accelerator's order of magnitude (a pass of 1 + k tokens reads the weights once, a re-feed is another pass); a
 compute-bound CPU pays more per draft (``bench/bench_speculative.py`` measures the curve and prints the fitted
@@ -31,6 +35,8 @@ from __future__ import annotations
 from collections import deque
 
 __all__ = ["DraftLength"]
+
+EMPTY_OFF = 8  # consecutive passes for which the drafter had nothing to propose: off, as after a pass that did not pay
 
 
 class DraftLength:
@@ -49,7 +55,7 @@ class DraftLength:
         self.base_cooldown, self.max_cooldown = cooldown, max_cooldown
         self.k = max(min_k, min(start, max_k))
         self.recent: deque = deque(maxlen=window)
-        self.off_for, self.cooldown, self.paying, self.backing_off = 0, cooldown, 0, False
+        self.off_for, self.cooldown, self.paying, self.backing_off, self.empty = 0, cooldown, 0, False, 0
 
     @property
     def rate(self) -> float:
@@ -76,8 +82,14 @@ class DraftLength:
     def observe(self, accepted: int, proposed: int) -> None:
         """One pass's outcome (``proposed`` 0: a plain decode step, which counts down a cool-down)."""
         if proposed == 0:
-            self.off_for = max(self.off_for - 1, 0)
+            if self.off_for > 0:
+                self.off_for -= 1
+            else:  # asked for drafts, the drafter had none (no lookup match)
+                self.empty += 1
+                if self.empty >= EMPTY_OFF and self.off_below > 0:
+                    self._off()
             return
+        self.empty = 0
         self.recent.append((accepted, proposed))
         full = accepted == proposed
         self.k = min(2 * self.k, self.max_k) if full else max(self.min_k, min(accepted + 1, self.max_k))
@@ -96,5 +108,5 @@ class DraftLength:
         if self.backing_off:
             self.cooldown = min(2 * self.cooldown, self.max_cooldown)
         self.off_for, self.backing_off = self.cooldown, True
-        self.k, self.paying = self.min_k, 0
+        self.k, self.paying, self.empty = self.min_k, 0, 0
         self.recent.clear()
