@@ -22,10 +22,13 @@ word-level entropy); random-letter pseudo-words (only copying lowers the loss: f
 after 120 iterations of 8 at lr 3e-3, rank 32); memorising 16 fixed (document, edit) records (flat at ~3.35 after
 100 iterations); a pure copy of 8-32 letters from an alphabet of 8 (2.8 after 300 iterations of 16, rank 32, lr 3e-3;
 the 8-letter entropy is 2.1). Induction (attend to the earlier occurrence, emit what followed) did not form in any of
-them at this budget. So the measured model repeats its context at the sub-word level: once a word has begun, its
-remaining bytes (and its spelling elsewhere in the prompt) are predictable, which is what prompt lookup and the draft
-model can hit; which word comes next is not copied from the text. The exact-match rate printed says how far from a
-copier it is.
+them at this budget. What the fine-tuned target does on the held-out prompts: it starts the answer with a word of
+the list and then repeats one word ("stop stone stone stone ..."), the loop under-trained models fall into: it
+repeats its own recent output, not the prompt's text (exact match 0 of 6). That is still a model that repeats its
+context, at the high-acceptance end (prompt lookup accepts ~96% of its drafts, the draft model, which learned the
+same words, ~93%): the regime where speculation should pay, measured on real models and the user-facing
+``stream_generate``. The prompt-copying regime (acceptance from copying the prompt) is what the forced-acceptance
+rows of ``bench_speculative.py`` stand in for.
 
 Then on held-out prompts of the same task (seed 99, 24-30 words), greedy, ``max_tokens`` = the answer's length in tokens:
 decode tok/s (the prompt's prefill and first token excluded) of
@@ -245,15 +248,17 @@ def main(argv=None) -> int:
     print(f"{args.prompts} held-out prompts (answers {min(len(a) for _, a in cases)}-{max(len(a) for _, a in cases)} "
           f"tokens), greedy, num_draft_tokens {args.k}; target's exact-match rate {exact}/{args.prompts}")
     anchor = rates["mlx-lm plain"]
-    print("| decode | tok/s (median) | range | / mlx-lm plain (median of per-round ratios) | acceptance | "
-          "text = plain |")
-    print("|---|---:|---:|---:|---:|---|")
+    ours = rates["kimi-mlx plain"]
+    print("| decode | tok/s (median) | range | / mlx-lm plain | / kimi-mlx plain | acceptance | text = plain |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for side in sides:
         ratio = statistics.median(a / b for a, b in zip(rates[side], anchor))
+        own = statistics.median(a / b for a, b in zip(rates[side], ours))
         drafted, accepted = counts[side]
         acc = f"{accepted}/{drafted} = {accepted / drafted:.2f}" if drafted else "-"
         print(f"| {side} | {statistics.median(rates[side]):.1f} | {min(rates[side]):.1f}-{max(rates[side]):.1f} | "
-              f"{ratio:.2f}x | {acc} | {'yes' if same[side] else 'NO'} |")
+              f"{ratio:.2f}x | {own:.2f}x | {acc} | {'yes' if same[side] else 'NO'} |")
+    print("(ratios: medians of per-round ratios, one round per prompt, every side in every round)")
     return 0
 
 
