@@ -30,14 +30,15 @@ same words, ~93%): the regime where speculation should pay, measured on real mod
 ``stream_generate``. The prompt-copying regime (acceptance from copying the prompt) is what the forced-acceptance
 rows of ``bench_speculative.py`` stand in for.
 
-Then on held-out prompts of the same task (seed 99, 24-30 words), greedy, ``max_tokens`` = the answer's length in tokens:
+Then on held-out prompts of the same task (seed 99, 24-30 words), greedy, ``max_tokens`` = the answer's length in
+tokens:
 decode tok/s (the prompt's prefill and first token excluded) of
 
 - kimi-mlx plain (``stream_generate``), ``draft="lookup"`` and ``draft=<the draft model>`` (``num_draft_tokens`` =
   ``--k``, the adaptive length), with the acceptance rate (accepted / drafted) and whether the text equals plain
   decoding's (it must);
-- mlx-lm plain ``stream_generate`` on the same fused weights (``mlx_lm.utils.load_model``, our tokenizer): the anchor; the ratio of every row
-  to it is the median of per-round ratios, rounds interleaving all sides;
+- mlx-lm plain ``stream_generate`` on the same fused weights (``mlx_lm.utils.load_model``, our tokenizer): the
+  anchor; the ratio of every row to it is the median of per-round ratios, rounds interleaving all sides;
 - mlx-lm ``stream_generate(..., draft_model=<the draft model>)``: it refuses (its speculative loop needs a trimmable
   cache; Kimi Linear's KDA state is not): the error is printed.
 
