@@ -314,24 +314,3 @@ def test_draft_refusals(kl_dir, kl_model):
     with pytest.raises(ValueError, match="a Kimi model"):
         DraftModel(object())
 
-
-def test_a_draft_model_kept_across_calls_feeds_only_what_is_new(kl_model):
-    """A chat's second turn: the target's cache kept from the first call, ``context`` = the ids it holds, the same
-    ``DraftModel``: the tokens are plain decoding's over the whole conversation, and the draft's cache is not refilled
-    (its first feed of the second call starts past the first turn)."""
-    first, new = random_prompts(2, seed=81)
-    draft = DraftModel(Recording(kl_model))
-    cache = kl_model.make_cache()
-
-    def turn(prompt, context):
-        steps = speculative_steps(kl_model, prompt, cache, draft, params=SamplingParams(), max_tokens=24,
-                                  context=context, length=DraftLength(4, off_below=0.0))
-        return [t for t, _, _ in steps]
-
-    out1 = turn(first, ())
-    assert out1 == plain_greedy(kl_model, first, 24)
-    before = len(draft.model.calls)
-    context = first + out1[:-1]  # what the target's cache holds: the last token is the next call's first input
-    out2 = turn([out1[-1]] + new, context)
-    assert out2 == plain_greedy(kl_model, first + out1 + new, 24)
-    assert min(offset for _, offset, _ in draft.model.calls[before:]) >= len(first)

@@ -68,27 +68,25 @@ def _prefill(model: nn.Module, cache: HybridCache, ids: list[int], step: int, af
 def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCache, drafter: Drafter, *,
                       params: SamplingParams, processors: Sequence[Callable] = (), max_tokens: int = 256,
                       num_draft_tokens: int = 8, prefill_step_size: int = 2048,
-                      length: Optional[DraftLength] = None, context: Sequence[int] = (),
+                      length: Optional[DraftLength] = None,
                       after_forward: Callable = lambda cache: None) -> Iterator[tuple[int, mx.array, Speculation]]:
     """Generate up to ``max_tokens`` tokens after ``prompt`` (ids not yet in ``cache``) with drafts from ``drafter``.
 
     params: the sampling options (temp 0: greedy; else temp / top_p / min_p / top_k as mlx-lm's sampler; no custom
     sampler); processors: the logits processors (penalties, logit bias), applied per position; length: the adaptive
-    draft length (default ``DraftLength(num_draft_tokens)``); context: the ids ``cache`` already holds before
-    ``prompt`` (a chat's earlier turns), put before the history the drafter sees (the processors see the history
-    from ``prompt`` on, as plain decoding's do); after_forward: called with the cache after each forward pass
-    (latent-cache quantization). Yields (token, logprobs [vocab], Speculation)."""
+    draft length (default ``DraftLength(num_draft_tokens)``); after_forward: called with the cache after each forward
+    pass (latent-cache quantization). Yields (token, logprobs [vocab], Speculation)."""
     check_speculative_sampling(params)
     length = length or DraftLength(num_draft_tokens)
     target = TargetSampling(params.temp, params.top_p, params.min_p, params.top_k) if params.temp > 0 else None
     if callable(getattr(drafter, "prepare", None)):
         drafter.prepare(model, target, processors)
-    history, context = list(prompt), [int(t) for t in context]
+    history = list(prompt)
     _prefill(model, cache, history[:-1], prefill_step_size, after_forward)
     last, produced, drafted, accepted = history[-1], 0, 0, 0
     while produced < max_tokens:
         k = min(length.next_length(), max_tokens - produced - 1)
-        drafts, q = _propose(drafter, context + history, k, model.args.vocab_size)
+        drafts, q = _propose(drafter, history, k, model.args.vocab_size)
         logits = verify_pass(model, cache, last, drafts)
         logprobs = processed_logprobs(processors, history, drafts, logits)
         if target is None:
