@@ -168,7 +168,8 @@ def stream_generate(
     0: from the first chunk on). Requires ``prompt_cache`` (mlx-lm makes a fresh float cache otherwise).
     Speculative decoding (``kimi_mlx.speculative``; not with ``images`` or a custom ``sampler=``): ``draft="lookup"``
     or a drafter proposes up to ``num_draft_tokens`` tokens per verify pass; same greedy text, same sampled
-    distribution; the responses count ``drafted_tokens`` / ``accepted_tokens``.
+    distribution; the responses count ``drafted_tokens`` / ``accepted_tokens``. On the ranks of a model loaded with
+    ``parallel=`` every rank takes rank 0's drafts and outcomes (``model.rank0_ids``), so the ranks stay in lockstep.
     """
     prompt, images = _prompt_and_images(model, tokenizer, prompt, images)
     cached = next(iter(prompt_cache)).offset if prompt_cache else 0
@@ -207,7 +208,8 @@ def _speculative(model, prompt: mx.array, cache, drafter, sampling, options, max
     cache = model.make_cache() if cache is None else cache
     return speculative_steps(model, prompt.tolist(), cache, drafter, params=params, processors=processors,
                              max_tokens=max_tokens, num_draft_tokens=num_draft_tokens,
-                             prefill_step_size=prefill_step_size, after_forward=quantize)
+                             prefill_step_size=prefill_step_size, after_forward=quantize,
+                             rank0=getattr(model, "rank0_ids", None))
 
 
 def _responses(steps: Iterable[tuple], text: TextStream, prompt_tokens: int,

@@ -82,11 +82,11 @@ Not done (for the next session):
 
 from .accept import TargetSampling, accept_greedy, accept_sampled
 from .adaptive import DraftLength
-from .drafts import Drafter, PromptLookup, make_drafter
+from .drafts import Drafter, InContext, PromptLookup, make_drafter
 from .loop import Speculation, check_speculative_sampling, speculative_steps
 from .verify import rollback, verify_pass
 
 __all__ = [
-    "Drafter", "DraftLength", "PromptLookup", "Speculation", "TargetSampling", "accept_greedy", "accept_sampled",
+    "Drafter", "DraftLength", "InContext", "PromptLookup", "Speculation", "TargetSampling", "accept_greedy", "accept_sampled",
     "check_speculative_sampling", "make_drafter", "rollback", "speculative_steps", "verify_pass",
 ]
