@@ -168,9 +168,8 @@ def stream_generate(
     0: from the first chunk on). Requires ``prompt_cache`` (mlx-lm makes a fresh float cache otherwise).
     Speculative decoding (``kimi_mlx.speculative``; not with ``images`` or a custom ``sampler=``): ``draft="lookup"``
     or a drafter proposes up to ``num_draft_tokens`` tokens per verify pass; same greedy text, same sampled
-    distribution; the responses count ``drafted_tokens`` / ``accepted_tokens``. On the ranks of a model loaded with
-    ``parallel=`` every rank takes rank 0's drafts and outcomes (``model.rank0_ids``), so the ranks stay in lockstep.
-    """
+    distribution; the responses count ``drafted_tokens`` / ``accepted_tokens``. Every rank of a ``parallel=`` model
+    takes rank 0's drafts and outcomes (``model.rank0_ids``)."""
     prompt, images = _prompt_and_images(model, tokenizer, prompt, images)
     cached = next(iter(prompt_cache)).offset if prompt_cache else 0
     check_prompt(model, prompt, cached=cached)
