@@ -3,7 +3,8 @@
 
 One launch per mode runs everything on both ranks and reports it per rank:
 
-- ``kimi-mlx generate --draft lookup --parallel MODE``: rank 0's greedy text equals one process's plain text;
+- ``kimi-mlx generate --draft lookup|MODEL --parallel MODE`` (the draft model whole on every rank: the target's own
+  checkpoint, so every draft is accepted): rank 0's greedy text equals one process's plain text;
 - drafts that differ between the ranks (rank 0: the target's own greedy continuation with every third draft wrong,
   so that passes accept some drafts and roll back others; rank 1: every draft wrong): both ranks give plain
   decoding's tokens and the same counts (rank 0's drafts were verified everywhere);
@@ -38,11 +39,12 @@ mode, ref_path = sys.argv[1], sys.argv[2]
 ref = json.load(open(ref_path))
 out = {}
 
-buf = io.StringIO()  # rank 0 prints the completion; the other ranks print nothing
-with contextlib.redirect_stdout(buf):
-    rc = main.main(["generate", "--model", ref["model"], "--prompt", ref["prompt"], "--max-tokens", str(ref["n"]),
-                    "--json", "--draft", "lookup", "--num-draft-tokens", "4", "--parallel", mode])
-out["cli"] = {"rc": rc, "stdout": buf.getvalue()}
+for name, draft in (("cli", "lookup"), ("cli_model", ref["model"])):
+    buf = io.StringIO()  # rank 0 prints the completion; the other ranks print nothing
+    with contextlib.redirect_stdout(buf):
+        rc = main.main(["generate", "--model", ref["model"], "--prompt", ref["prompt"], "--max-tokens",
+                        str(ref["n"]), "--json", "--draft", draft, "--num-draft-tokens", "4", "--parallel", mode])
+    out[name] = {"rc": rc, "stdout": buf.getvalue()}
 
 model, tok = load(ref["model"], parallel=mode)
 prompt, plain = ref["prompt_ids"], ref["plain"]
@@ -93,11 +95,15 @@ def reference(tmp_path_factory):
 def test_speculation_on_two_ranks(tmp_path, reference, mode):
     ref, path, plain_text = reference
     ranks = run_ranks(SCRIPT, 2, tmp_path, args=(mode, path), timeout=240)
-    cli = ranks[0]["cli"]
-    assert cli["rc"] == 0 and ranks[1]["cli"] == {"rc": 0, "stdout": ""}
-    got = json.loads(cli["stdout"])
-    assert got["text"] == plain_text
-    assert got["stats"]["generation_tokens"] == N and got["stats"]["drafted_tokens"] >= got["stats"]["accepted_tokens"]
+    for name in ("cli", "cli_model"):
+        cli = ranks[0][name]
+        assert cli["rc"] == 0 and ranks[1][name] == {"rc": 0, "stdout": ""}
+        got = json.loads(cli["stdout"])
+        assert got["text"] == plain_text, name
+        st = got["stats"]
+        assert st["generation_tokens"] == N and st["drafted_tokens"] >= st["accepted_tokens"]
+        if name == "cli_model":  # the target as its own draft model, whole on every rank: every draft accepted
+            assert st["drafted_tokens"] == st["accepted_tokens"] > 0
 
     for r in ranks:
         assert r["ranked"]["tokens"] == ref["plain"][:N], f"rank {ranks.index(r)}"

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import KL_FIXTURE
 
 KIMI = str(Path(sys.executable).parent / "kimi-mlx")
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
@@ -40,6 +41,22 @@ def test_generate_with_lookup_gives_the_plain_text_and_counts(tmp_path):
     assert f"drafted {st['drafted_tokens']}, accepted {st['accepted_tokens']} ({rate})" in line.stderr
 
 
+def test_generate_with_a_draft_model(tmp_path):
+    """``--draft demo`` with ``--model demo`` (the target as its own draft: every greedy draft accepted): plain
+    decoding's text, drafted = accepted > 0; a draft model of another vocabulary is a CLI error naming --draft."""
+    args = ["generate", "--model", "demo", "--prompt", PROMPT, "--max-tokens", "24", "--json"]
+    plain, spec = _run(*args), _run(*args, "--draft", "demo", "--num-draft-tokens", "4")
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    got = json.loads(spec.stdout)
+    assert got["text"] == json.loads(plain.stdout)["text"]
+    assert got["stats"]["drafted_tokens"] == got["stats"]["accepted_tokens"] > 0
+    assert got["stats"]["acceptance_rate"] == 1.0
+    other = str(KL_FIXTURE / "hf")  # the Kimi Linear fixture: 512 ids too, other tokens
+    out = _run(*args, "--draft", other)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"kimi-mlx: error: --draft {other}: the draft model's tokenizer differs" in out.stderr, out.stderr
+
+
 def _transcript(stdout: str) -> str:
     """The chat output without the speed numbers and the speculation counts."""
     return re.sub(r"[\d.]+ tok/s|peak memory [\d.]+ GB| \| drafted \d+, accepted \d+ \([\d-]+%?\)", "", stdout)
@@ -55,6 +72,10 @@ def test_chat_with_lookup_gives_the_plain_replies_and_counts():
     counts = [tuple(map(int, m)) for m in re.findall(r"drafted (\d+), accepted (\d+)", spec.stdout)]
     assert len(counts) == 3  # after each reply, and /stats repeats the last
     assert counts[1] == counts[2] and sum(a for _, a in counts[:2]) > 0
+    model = _run(*args, "--draft", "demo", stdin=CHAT)  # a draft model (the target itself: all accepted)
+    assert model.returncode == 0 and _transcript(model.stdout) == _transcript(plain.stdout), model.stderr
+    counts = [tuple(map(int, m)) for m in re.findall(r"drafted (\d+), accepted (\d+)", model.stdout)]
+    assert len(counts) == 3 and all(d == a > 0 for d, a in counts)
 
 
 def test_bench_with_lookup_prints_the_acceptance_rate():

@@ -72,6 +72,22 @@ def test_session_with_lookup_is_the_plain_session(demo, max_checkpoints):
     assert spec.stats()["last"]["drafted_tokens"] == counts[-1][0]
 
 
+def test_session_with_a_draft_model_is_the_plain_session(demo):
+    """A draft model (the target itself, so every greedy draft is accepted): the same conversation as the plain
+    session, and the draft model's cache follows it across turns, regenerate and undo (its tokens are the session's
+    history up to the last pass)."""
+    model, tok = demo
+    plain = ChatSession(model, tok, max_tokens=16, max_checkpoints=3)
+    spec = ChatSession(model, tok, max_tokens=16, max_checkpoints=3, draft=model, num_draft_tokens=4)
+    want, _ = _conversation(plain)
+    got, counts = _conversation(spec)
+    assert got == want
+    assert all(d > 0 and a == d for d, a in counts)
+    held = spec.drafter.tokens
+    assert held and held == spec.tokens[: len(held)] and len(held) > len(spec.tokens) - 16
+    assert _cache_diff(spec.cache, plain.cache) <= 1e-5
+
+
 def test_session_drafts_from_the_whole_conversation(demo):
     """The drafter is asked with the whole conversation as its history (the earlier turns, then this turn's prompt
     and reply), not just the tokens the turn feeds."""
@@ -119,7 +135,7 @@ def test_session_refuses_bad_speculation_settings(demo):
     model, tok = demo
     with pytest.raises(ValueError, match="num_draft_tokens must be >= 1"):
         ChatSession(model, tok, draft="lookup", num_draft_tokens=0)
-    with pytest.raises(ValueError, match="draft must be"):
+    with pytest.raises(ValueError, match="draft='nonsense'"):
         ChatSession(model, tok, draft="nonsense")
     with pytest.raises(ValueError, match="sampler"):
         ChatSession(model, tok, draft="lookup", sampling=SamplingParams(sampler=lambda lp: mx.argmax(lp, -1)))

@@ -182,10 +182,11 @@ class ChatSession:
         num_draft_tokens: int = 8,
     ):
         check_kv_settings(None, kv_bits, kv_group_size, quantized_kv_start)
+        self.kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "quantized_kv_start": quantized_kv_start}
         if draft is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
-        self.drafter, self.num_draft_tokens = make_drafter(draft, num_draft_tokens), num_draft_tokens
-        self.kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "quantized_kv_start": quantized_kv_start}
+        self.drafter = make_drafter(draft, num_draft_tokens, **self.kv)  # a draft model's cache quantized as ours
+        self.num_draft_tokens = num_draft_tokens
         self.model, self.tokenizer = model, tokenizer
         self.chat_format = chat_format or detect_chat_format(tokenizer)
         if self.chat_format not in STOP_MARKERS:

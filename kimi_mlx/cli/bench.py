@@ -91,7 +91,7 @@ def speculative_trial(model, prompt: mx.array, generation_tokens: int, prefill_s
     def quantize(c):
         maybe_quantize_kv_cache(c, kv.get("quantized_kv_start", 0), kv["kv_group_size"], kv["kv_bits"])
 
-    steps = speculative_steps(model, prompt.tolist(), cache, make_drafter(draft, num_draft_tokens),
+    steps = speculative_steps(model, prompt.tolist(), cache, make_drafter(draft, num_draft_tokens, **kv),
                               params=SamplingParams(), max_tokens=generation_tokens, num_draft_tokens=num_draft_tokens,
                               prefill_step_size=prefill_step_size, after_forward=quantize,
                               rank0=getattr(model, "rank0_ids", None))

@@ -140,7 +140,7 @@ class Repl:
                 self.write(RESET)
         self.write("\n")
         if self.session.last is not None:
-            self.write(_stats_line(self.session.last.stats, self.session.drafter is not None) + "\n")
+            self.write(_stats_line(self.session.last.stats, _speculative(self.session)) + "\n")
             self.tool_round()
 
     def tool_round(self) -> None:
@@ -221,7 +221,7 @@ class Repl:
                 f"cache {st['cache_mb']:.1f} MB with {st['checkpoints']} checkpoints]\n"
             )
             if s.last is not None:
-                self.write(_stats_line(s.last.stats, s.drafter is not None) + "\n")
+                self.write(_stats_line(s.last.stats, _speculative(s)) + "\n")
         else:
             raise ValueError(f"unknown command {name!r} (/help lists them)")
         return True
@@ -265,6 +265,11 @@ def _args_text(arguments) -> str:
     if isinstance(arguments, str):
         return arguments
     return json.dumps(arguments, ensure_ascii=False)
+
+
+def _speculative(session) -> bool:
+    """Whether ``session`` decodes speculatively (its stats lines then show the drafted / accepted counts)."""
+    return getattr(session, "drafter", None) is not None
 
 
 def _stats_line(st, speculative: bool = False) -> str:

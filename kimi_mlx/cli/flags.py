@@ -127,7 +127,7 @@ def draft_from_args(args: argparse.Namespace, tokenizer, group: Optional[mx.dist
         try:
             return load_draft(args.draft, tokenizer, dtype=DTYPES.get(args.dtype), quantize=quantize)
         except (OSError, ValueError) as e:
-            raise ValueError(f"--draft {args.draft}: {e}") from None
+            raise ValueError(f"--draft {args.draft}: {str(e).removeprefix(f'{args.draft}: ')}") from None
 
 
 def draft_stats(drafted: int, accepted: int) -> dict:

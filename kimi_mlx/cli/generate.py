@@ -153,7 +153,7 @@ def _run(args: argparse.Namespace, group: Optional[mx.distributed.Group]) -> int
     if draft is not None:
         from ..speculative import InContext, make_drafter
 
-        drafter = make_drafter(draft, args.num_draft_tokens)
+        drafter = make_drafter(draft, args.num_draft_tokens, **kv_from_args(args))
         if len(feed) < len(tokens):  # the drafter sees the tokens of --prompt-cache too
             drafter = InContext(drafter, tokens[: len(tokens) - len(feed)])
         speculation = {"draft": drafter, "num_draft_tokens": args.num_draft_tokens}

@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from ..cache import HybridCache
 from ..sampling import SamplingParams
-from .accept import TargetSampling, accept_greedy, accept_sampled
+from .accept import TargetSampling, accept_greedy, accept_sampled, processed_logprobs
 from .adaptive import DraftLength
 from .drafts import Drafter
 from .verify import rollback, verify_pass
@@ -42,19 +42,19 @@ def check_speculative_sampling(params: SamplingParams) -> None:
                          "with draft=")
 
 
-def _processed(processors: Sequence[Callable], history: list[int], drafts: Sequence[int],
-               logits: mx.array) -> mx.array:
-    """Log-probabilities [1 + k, vocab] of the verify pass, row i after the logits processors on the history
-    extended by the first i drafts (what plain decoding would have seen there)."""
-    if processors:
-        rows = []
-        for i in range(logits.shape[0]):
-            row, seen = logits[i : i + 1], mx.array(history + list(drafts[:i]), dtype=mx.int32)
-            for process in processors:
-                row = process(seen, row)
-            rows.append(row)
-        logits = mx.concatenate(rows, axis=0)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+def _propose(drafter: Drafter, history: list[int], k: int, vocab: int) -> tuple[list[int], Optional[mx.array]]:
+    """Up to ``k`` drafts and their q ([len(drafts), vocab]: the drafter's ``draft_probs`` after ``propose``, None
+    for a drafter without one: one-hot)."""
+    if k <= 0:
+        return [], None
+    drafts = list(drafter.propose(history, k))[:k]
+    q = getattr(drafter, "draft_probs", None)
+    if q is None or not drafts:
+        return drafts, None
+    if q.ndim != 2 or q.shape[0] < len(drafts) or q.shape[1] != vocab:
+        raise ValueError(f"the drafter's draft_probs must be [{len(drafts)} drafts, {vocab} (the target's "
+                         f"vocabulary)], got {list(q.shape)}")
+    return drafts, q[: len(drafts)]
 
 
 def _prefill(model: nn.Module, cache: HybridCache, ids: list[int], step: int, after: Callable) -> None:
@@ -83,20 +83,24 @@ def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCach
     check_speculative_sampling(params)
     length = length or DraftLength(num_draft_tokens)
     target = TargetSampling(params.temp, params.top_p, params.min_p, params.top_k) if params.temp > 0 else None
+    if callable(getattr(drafter, "prepare", None)):
+        drafter.prepare(model, target, processors)
     history = list(prompt)
     _prefill(model, cache, history[:-1], prefill_step_size, after_forward)
     last, produced, drafted, accepted = history[-1], 0, 0, 0
     while produced < max_tokens:
         k = min(length.next_length(), max_tokens - produced - 1)
-        drafts = drafter.propose(history, k)[:k] if k > 0 else []
+        drafts, q = _propose(drafter, history, k, model.args.vocab_size)
         if rank0 is not None:
-            drafts = rank0(drafts)
+            mine, drafts = drafts, rank0(drafts)
+            if drafts != mine:  # rank 0's drafts: this rank's q is not theirs (its outcome is rank 0's anyway)
+                q = None
         logits = verify_pass(model, cache, last, drafts)
-        logprobs = _processed(processors, history, drafts, logits)
+        logprobs = processed_logprobs(processors, history, drafts, logits)
         if target is None:
             tokens, n = accept_greedy(logprobs, drafts)
         else:
-            tokens, n = accept_sampled(target.probs(logprobs), drafts)
+            tokens, n = accept_sampled(target.probs(logprobs), drafts, q)
         if rank0 is not None:
             n, *tokens = rank0([n, *tokens])
         rollback(model, cache, last, drafts, n)
