@@ -8,7 +8,8 @@ One launch per mode runs everything on both ranks and reports it per rank:
 - drafts that differ between the ranks (rank 0: the target's own greedy continuation with every third draft wrong,
   so that passes accept some drafts and roll back others; rank 1: every draft wrong): both ranks give plain
   decoding's tokens and the same counts (rank 0's drafts were verified everywhere);
-- sampled speculation with a different seed on each rank: both ranks give the same tokens (rank 0's draws).
+- sampled speculation with a different seed on each rank: both ranks give the same tokens (rank 0's draws);
+- a ``ChatSession`` with prompt lookup, two turns: both ranks give one process's plain session's replies.
 
 The references are one process's plain decoding (``stream_generate`` without ``draft``), computed here.
 """
@@ -28,6 +29,7 @@ MODEL = str(KL_FIXTURE / "hf")
 KIMI = shutil.which("kimi-mlx", path=os.path.dirname(sys.executable)) or "kimi-mlx"
 PROMPT = "one two three four five six one two three four five six one two"
 N = 24
+TURNS = ["one two three four one two three four", "again: one two three four"]
 
 SCRIPT = """
 import contextlib, io
@@ -66,6 +68,14 @@ class RankDrafter:
 rs = list(stream_generate(model, tok, prompt, ref["n"], draft=RankDrafter(), num_draft_tokens=4))
 out["ranked"] = {"tokens": [r.token for r in rs], "drafted": rs[-1].drafted_tokens, "accepted": rs[-1].accepted_tokens}
 
+from kimi_mlx.chat.session import ChatSession
+
+chat = ChatSession(model, tok, max_tokens=ref["n"], draft="lookup", num_draft_tokens=4)
+out["chat"] = []
+for text in ref["turns"]:
+    list(chat.send(text))
+    out["chat"].append(chat.last.tokens)
+
 mx.random.seed(100 + group.rank())  # each rank its own draws: rank 0's are taken
 rs = list(stream_generate(model, tok, prompt, ref["n"], draft="lookup", num_draft_tokens=4, temp=1.0))
 out["sampled"] = [r.token for r in rs]
@@ -75,7 +85,8 @@ report(out)
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One process's plain greedy decoding of PROMPT (tokens and text), for the ranks to match."""
+    """One process's plain greedy decoding of PROMPT (tokens and text) and plain chat replies to TURNS, for the ranks
+    to match."""
     from kimi_mlx import load
     from kimi_mlx.generate import stream_generate
 
@@ -84,6 +95,13 @@ def reference(tmp_path_factory):
     rs = list(stream_generate(model, tok, ids, N + 8))
     ref = {"model": MODEL, "prompt": PROMPT, "prompt_ids": ids, "n": N, "vocab": model.args.vocab_size,
            "plain": [r.token for r in rs], "text": "".join(r.text for r in rs[:N])}
+    from kimi_mlx.chat.session import ChatSession
+
+    chat = ChatSession(model, tok, max_tokens=N)
+    ref["turns"], ref["chat"] = TURNS, []
+    for text in TURNS:
+        list(chat.send(text))
+        ref["chat"].append(chat.last.tokens)
     path = tmp_path_factory.mktemp("ref") / "ref.json"
     path.write_text(json.dumps(ref))
     # the CLI's plain text (what --draft must reproduce)
@@ -112,3 +130,4 @@ def test_speculation_on_two_ranks(tmp_path, reference, mode):
     assert counts[1] == counts[0] and 0 < accepted < drafted  # rank 0's drafts: some accepted, some rolled back
 
     assert ranks[0]["sampled"] == ranks[1]["sampled"] and ranks[0]["sampled"]
+    assert ranks[0]["chat"] == ranks[1]["chat"] == ref["chat"]  # a speculative chat: the plain session's replies
