@@ -82,7 +82,9 @@ class InContext:
     def observe(self, accepted: int, proposed: int) -> None:
         self.drafter.observe(accepted, proposed)
 
-    def __getattr__(self, name: str):  # the inner drafter's extras (e.g. its proposal distribution)
+    def __getattr__(self, name: str):  # the inner drafter's extras (``prepare``, ``draft_probs``)
+        if name == "drafter":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self.drafter, name)
 
 
