@@ -139,3 +139,21 @@ def test_session_refuses_bad_speculation_settings(demo):
         ChatSession(model, tok, draft="nonsense")
     with pytest.raises(ValueError, match="sampler"):
         ChatSession(model, tok, draft="lookup", sampling=SamplingParams(sampler=lambda lp: mx.argmax(lp, -1)))
+
+
+def test_sampled_session_with_a_seed_reproduces(demo):
+    """Sampled replies (temp 1, a seed: every reply's draws seeded) with speculation: two sessions give the same
+    conversation, drafts were verified, and another seed gives another one."""
+    model, tok = demo
+
+    def replies(seed):
+        s = ChatSession(model, tok, max_tokens=16, sampling={"temp": 1.0, "seed": seed}, draft=model,
+                        num_draft_tokens=4)
+        out = []
+        for text in TURNS[:2]:
+            list(s.send(text))
+            out.append(s.last.tokens)
+        return out, s.last.stats.drafted_tokens
+
+    (a, drafted), (b, _), (c, _) = replies(3), replies(3), replies(4)
+    assert a == b and drafted > 0 and a != c
