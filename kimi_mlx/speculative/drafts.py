@@ -21,7 +21,7 @@ import mlx.nn as nn
 
 from .draft_model import DraftModel
 
-__all__ = ["Drafter", "PromptLookup", "make_drafter"]
+__all__ = ["Drafter", "InContext", "PromptLookup", "make_drafter"]
 
 
 class Drafter(Protocol):
@@ -66,6 +66,26 @@ class PromptLookup:
 
     def observe(self, accepted: int, proposed: int) -> None:
         """Prompt lookup keeps no state between calls."""
+
+
+class InContext:
+    """``drafter`` seeing ``context`` (ids already in the cache before the prompt a generation was given, e.g. a
+    chat's earlier turns) before each history it is asked about: a continued conversation drafts from all of it,
+    and a drafter with a cache of its own (``DraftModel``) follows the whole conversation."""
+
+    def __init__(self, drafter: Drafter, context: Sequence[int]):
+        self.drafter, self.context = drafter, list(context)
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        return self.drafter.propose(self.context + list(history), k)
+
+    def observe(self, accepted: int, proposed: int) -> None:
+        self.drafter.observe(accepted, proposed)
+
+    def __getattr__(self, name: str):  # the inner drafter's extras (``prepare``, ``draft_probs``)
+        if name == "drafter":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.drafter, name)
 
 
 def make_drafter(draft, max_draft: int, **model_options) -> Optional[Drafter]:
