@@ -12,7 +12,8 @@ One job per module, on floor 1 beside ``generate`` (it imports ``cache`` and ``s
   min_p / top_k.
 - ``adaptive``: ``DraftLength``, the next draft length from the recent acceptance, and the off switch.
 - ``loop``: ``speculative_steps`` (batch of one): prefill, then draft / verify / accept / roll back / adapt, yielding
-  ``(token, logprobs, Speculation)``.
+  ``(token, logprobs, Speculation)``; its pass, ``verify_step`` (verify + processors + acceptance, before the
+  rollback), is also the server engine's speculative turn (``kimi_mlx.server.scheduler``).
 
 Surface so far: ``stream_generate(..., draft="lookup" | a Drafter, num_draft_tokens=k)`` (and ``generate``, which
 passes keywords on); every response is a ``SpeculativeResponse`` (``generate.py``: a ``GenerationResponse`` with
@@ -83,10 +84,10 @@ Not done (for the next session):
 from .accept import TargetSampling, accept_greedy, accept_sampled
 from .adaptive import DraftLength
 from .drafts import Drafter, PromptLookup, make_drafter
-from .loop import Speculation, check_speculative_sampling, speculative_steps
+from .loop import Speculation, check_speculative_sampling, speculative_steps, verify_step
 from .verify import rollback, verify_pass
 
 __all__ = [
     "Drafter", "DraftLength", "PromptLookup", "Speculation", "TargetSampling", "accept_greedy", "accept_sampled",
-    "check_speculative_sampling", "make_drafter", "rollback", "speculative_steps", "verify_pass",
+    "check_speculative_sampling", "make_drafter", "rollback", "speculative_steps", "verify_pass", "verify_step",
 ]

@@ -21,7 +21,7 @@ from .adaptive import DraftLength
 from .drafts import Drafter
 from .verify import rollback, verify_pass
 
-__all__ = ["Speculation", "check_speculative_sampling", "speculative_steps"]
+__all__ = ["Speculation", "check_speculative_sampling", "speculative_steps", "verify_step"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,27 @@ def _processed(processors: Sequence[Callable], history: list[int], drafts: Seque
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
+def verify_step(model: nn.Module, cache: HybridCache, history: list[int], drafts: Sequence[int], *,
+                processors: Sequence[Callable] = (), target: Optional[TargetSampling] = None,
+                key: Optional[mx.array] = None) -> tuple[list[int], int, mx.array]:
+    """One verify pass and its acceptance, before the rollback: ``history[-1]`` (the newest token, not yet in
+    ``cache``) and ``drafts`` through the target in one pass, the logits processors applied per position
+    (``processors`` see ``history``, which may be the recent tokens only, as a sampler's), then the greedy rule
+    (``target`` None) or the speculative-sampling rule (drawing with ``key``; None: the global generator).
+
+    Returns ``(tokens, n, logprobs)``: the n accepted drafts and the target's next token, and the log-probabilities
+    [1 + k, vocab] after the processors (row i: the distribution of ``tokens[i]``). The cache still holds every
+    draft: the caller cuts the run where it must (a stop token) and calls ``rollback(model, cache, history[-1],
+    drafts, kept)`` with ``kept`` <= n."""
+    logits = verify_pass(model, cache, history[-1], drafts)
+    logprobs = _processed(processors, history, drafts, logits)
+    if target is None:
+        tokens, n = accept_greedy(logprobs, drafts)
+    else:
+        tokens, n = accept_sampled(target.probs(logprobs), drafts, key=key)
+    return tokens, n, logprobs
+
+
 def _prefill(model: nn.Module, cache: HybridCache, ids: list[int], step: int, after: Callable) -> None:
     """Feed ``ids`` into ``cache`` in chunks of ``step`` tokens."""
     for s in range(0, len(ids), step):
@@ -85,12 +106,7 @@ def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCach
     while produced < max_tokens:
         k = min(length.next_length(), max_tokens - produced - 1)
         drafts = drafter.propose(history, k)[:k] if k > 0 else []
-        logits = verify_pass(model, cache, last, drafts)
-        logprobs = _processed(processors, history, drafts, logits)
-        if target is None:
-            tokens, n = accept_greedy(logprobs, drafts)
-        else:
-            tokens, n = accept_sampled(target.probs(logprobs), drafts)
+        tokens, n, logprobs = verify_step(model, cache, history, drafts, processors=processors, target=target)
         rollback(model, cache, last, drafts, n)
         after_forward(cache)
         length.observe(n, len(drafts))
