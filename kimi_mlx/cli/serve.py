@@ -79,7 +79,21 @@ def add_parser(commands) -> None:
                    help="memory for stored /v1/responses responses (previous_response_id; least recently used go "
                         "first; 0 keeps none)")
     _add_image_args(p)
+    _add_draft_args(p)
     p.set_defaults(run=run)
+
+
+def _add_draft_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding (the engine speculates while the batch is small; see ``kimi_mlx.server.scheduler``)."""
+    p.add_argument("--draft", default=None, metavar="lookup|PATH",
+                   help="speculative decoding: 'lookup' (drafts copied from the prompt and the reply) or a draft "
+                        "model sharing the model's tokenizer (a path or repo, loaded like --model); requests may "
+                        "turn it off ('speculative': false). Without it only requests with a prediction speculate")
+    p.add_argument("--num-draft-tokens", type=int, default=8, metavar="K",
+                   help="most draft tokens verified per pass (the length adapts to the acceptance below it)")
+    p.add_argument("--draft-max-batch", type=int, default=1, metavar="N",
+                   help="speculate while at most N requests are decoding (only 1 is supported: with more rows the "
+                        "batch already shares the weight reads)")
 
 
 def _add_image_args(p: argparse.ArgumentParser) -> None:
@@ -109,6 +123,13 @@ def _check(args: argparse.Namespace) -> None:
                         ("--image-url-timeout", args.image_url_timeout)):
         if not 0 < value:
             raise ValueError(f"{flag} {value}: must be > 0")
+    if args.num_draft_tokens < 1:
+        raise ValueError(f"--num-draft-tokens {args.num_draft_tokens}: must be >= 1")
+    if args.draft_max_batch != 1:
+        raise ValueError(f"--draft-max-batch {args.draft_max_batch}: only 1 is supported (a verify pass over several "
+                         "requests needs a per-request rollback of the batch cache, which is not built)")
+    if args.draft is not None and not args.draft.strip():
+        raise ValueError("--draft: expected 'lookup' or a draft model's path or repo, got an empty value")
     if args.responses_store_mb < 0:
         raise ValueError(f"--responses-store-mb {args.responses_store_mb}: must be >= 0")
     if args.parallel and args.adapter_path:
@@ -155,8 +176,14 @@ def _backend_parts(args: argparse.Namespace, group) -> BackendParts:
     budget = args.prompt_cache_bytes
     if budget is None:
         budget = max(0, usable_memory() - mx.get_active_memory()) // 4
+    draft = args.draft
+    if draft is not None and draft != "lookup":  # every rank loads it: the ranks agree on who speculates
+        from ..loading import load_draft
+
+        draft = load_draft(draft, tokenizer)
     scheduler = Scheduler(model, max_batch=args.max_batch, max_queue=args.max_queue, prompt_cache_bytes=budget,
                           prefill_chunk=args.prefill_chunk, checkpoint_interval=args.checkpoint_interval, group=group,
+                          draft=draft, num_draft_tokens=args.num_draft_tokens, draft_max_batch=args.draft_max_batch,
                           **kv_from_args(args))
     return BackendParts(model, tokenizer, chat_format, scheduler, sampling, budget)
 
@@ -219,7 +246,9 @@ def _serve(args: argparse.Namespace, group) -> int:
         log.info(f"kimi-mlx serve: {url} | model {model_id} ({parts.chat_format} format) | weights {weights:.3g} GB, "
                  f"memory in use {mx.get_active_memory() / 1e9:.2f} GB, prompt cache up to "
                  f"{parts.prompt_cache_bytes / 1e9:.2f} GB "
-                 f"| max batch {args.max_batch}" + (" | API key required" if args.api_key else "")
+                 f"| max batch {args.max_batch}"
+                 + (f" | draft {args.draft} (up to {args.num_draft_tokens} tokens)" if args.draft else "")
+                 + (" | API key required" if args.api_key else "")
                  + (" | images" + (" and image URLs" if args.allow_image_urls else "") if encoder else ""))
         return backend
 
