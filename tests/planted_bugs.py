@@ -938,6 +938,18 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/speculative/accept.py", "residual = mx.maximum(probs[n] - q, 0.0)", "residual = probs[n]"),),
         ("tests/test_speculative.py::test_sampled_acceptance_preserves_the_target_distribution",),
     ),
+    PlantedBug(
+        "serve speculation: a run cut at a stop token rolls back to the accepted drafts, not to what was emitted",
+        (("kimi_mlx/server/scheduler.py", "rollback(self.model, self._batch, row.next_input, drafts, kept)",
+          "rollback(self.model, self._batch, row.next_input, drafts, n)"),),
+        ("tests/test_scheduler_speculative.py::test_a_stop_token_cuts_the_accepted_run_and_the_reply_snapshot_is_exact",),
+    ),
+    PlantedBug(
+        "serve speculation: a row being given its reasoning closer speculates",
+        (("kimi_mlx/server/scheduler.py", "all(r.length is not None and not r.forced",
+          "all(r.length is not None"),),
+        ("tests/test_scheduler_speculative.py::test_max_tokens_and_the_reasoning_budget_cap_the_pass",),
+    ),
 )
 
 

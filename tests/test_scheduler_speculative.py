@@ -167,3 +167,20 @@ def test_draft_max_batch_above_one_is_refused(kl):
         Scheduler(kl[0], draft="lookup", draft_max_batch=2)
     with pytest.raises(ValueError, match="draft must be None, 'lookup' or a draft model"):
         Scheduler(kl[0], draft="lokup")
+
+
+def test_prompt_lookup_reads_a_reference_in_order():
+    """A reference (a predicted reply) is proposed from its start when nothing is generated yet, then from where
+    the accepted drafts from it ended (a repeated n-gram later in it is not jumped to), before the history."""
+    from kimi_mlx.speculative import PromptLookup
+
+    prompt = [1, 2, 3, 9, 8]
+    ref = [7, 8, 9, 7, 8, 6, 7, 8, 5]
+    look = PromptLookup(ngram_sizes=(2, 1), reference=ref, reference_at=len(prompt))
+    assert look.propose(prompt, 4) == [7, 8, 9, 7]
+    look.observe(4, 4)
+    history = prompt + [7, 8, 9, 7, 8]  # the target's own token after them: 8
+    assert look.propose(history, 3) == [6, 7, 8]  # after "7 8" at 3..4, not after its first occurrence at 0..1
+    look.observe(1, 3)
+    assert look.propose(history + [6, 4], 3) == []  # "6 4" and "4" occur nowhere
+    assert PromptLookup(ngram_sizes=(1,)).propose([5, 6, 5], 2) == [6, 5]
