@@ -10,9 +10,9 @@ import importlib
 import sys
 import types
 
-__all__ = ["load", "generate", "stream_generate", "batch_generate", "SamplingParams"]
+__all__ = ["load", "load_draft", "generate", "stream_generate", "batch_generate", "SamplingParams"]
 
-_HOMES = {"load": "loading", "generate": "generate", "stream_generate": "generate", "batch_generate": "generate",
+_HOMES = {"load": "loading", "load_draft": "loading", "generate": "generate", "stream_generate": "generate", "batch_generate": "generate",
           "SamplingParams": "sampling"}
 
 

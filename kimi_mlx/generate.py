@@ -145,6 +145,7 @@ def stream_generate(
     images: Sequence = (),
     draft=None,
     num_draft_tokens: int = 8,
+    draft_model=None,
     **options: Any,
 ) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` (a ``SpeculativeResponse``) per generated token (text may be ``""`` while bytes are incomplete).
@@ -166,19 +167,18 @@ def stream_generate(
     Latent cache: ``kv_bits`` (8 or 4, None: float) with ``kv_group_size`` (32, 64, 128) quantizes the MLA layers'
     cache once it holds ``quantized_kv_start`` tokens (checked after each prefill chunk and step, as mlx-lm does;
     0: from the first chunk on). Requires ``prompt_cache`` (mlx-lm makes a fresh float cache otherwise).
-    Speculative decoding (``kimi_mlx.speculative``; not with ``images`` or a custom ``sampler=``): ``draft="lookup"``
-    or a drafter proposes up to ``num_draft_tokens`` tokens per verify pass; same greedy text, same sampled
-    distribution; the responses count ``drafted_tokens`` / ``accepted_tokens``.
-    """
+    Speculative decoding (``kimi_mlx.speculative``; not with ``images`` or a custom ``sampler=``): ``draft="lookup"``,
+    a draft model (``loading.load_draft``; or ``draft_model=``, mlx-lm's name) or a drafter proposes up to
+    ``num_draft_tokens`` tokens per verify pass; same greedy text, same sampled distribution; the responses count
+    ``drafted_tokens`` / ``accepted_tokens``. A draft model's cache is quantized as ``kv_bits`` etc. say."""
     prompt, images = _prompt_and_images(model, tokenizer, prompt, images)
     cached = next(iter(prompt_cache)).offset if prompt_cache else 0
     check_prompt(model, prompt, cached=cached)
     check_kv_settings(prompt_cache, kv_bits, kv_group_size, quantized_kv_start)
     text = TextStream(tokenizer, stop_strings, frozenset(tokenizer.eos_token_ids) | frozenset(stop_tokens))
-    if draft is not None:
-        steps = _speculative(model, prompt, prompt_cache, make_drafter(draft, num_draft_tokens), sampling, options,
-                             max_tokens, num_draft_tokens, prefill_step_size,
-                             (kv_bits, kv_group_size, quantized_kv_start), bool(images))
+    if (draft := _one_draft(draft, draft_model)) is not None:
+        steps = _speculative(model, prompt, prompt_cache, draft, sampling, options, max_tokens, num_draft_tokens,
+                             prefill_step_size, (kv_bits, kv_group_size, quantized_kv_start), bool(images))
         return (yield from _responses(steps, text, prompt.size, max_tokens))
     stepper = with_images(model, prompt, images)
     sampler, processors = _seeded_sampling(sampling, options)
@@ -190,16 +190,32 @@ def stream_generate(
     yield from _responses(steps, text, prompt.size, max_tokens)
 
 
-def _speculative(model, prompt: mx.array, cache, drafter, sampling, options, max_tokens: int, num_draft_tokens: int,
+def _one_draft(draft, draft_model):
+    """``draft=`` or its mlx-lm spelling ``draft_model=`` (a model), not both."""
+    if draft_model is None:
+        return draft
+    if draft is not None:
+        raise ValueError("give draft= or draft_model= (mlx-lm's name for draft=<model>), not both")
+    if not isinstance(draft_model, nn.Module):
+        raise ValueError(f"draft_model= takes a loaded Kimi model (kimi_mlx.loading.load_draft), got "
+                         f"{type(draft_model).__name__}; use draft= for 'lookup' or a drafter")
+    return draft_model
+
+
+def _speculative(model, prompt: mx.array, cache, draft, sampling, options, max_tokens: int, num_draft_tokens: int,
                  prefill_step_size: int, kv: tuple, images: bool):
-    """``speculative_steps`` for ``stream_generate``'s arguments (a fresh cache when none is given)."""
+    """``speculative_steps`` for ``stream_generate``'s arguments (a fresh cache when none is given; ``kv``: the
+    latent-cache options, for the target's cache and a draft model's)."""
     if images:
-        raise ValueError("draft= with images= is not supported yet")
+        raise ValueError("draft= with images= is not supported: the verify pass and the drafters (prompt lookup, "
+                         "a draft model's cache) take token ids only, not the image features of the prompt")
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    kv_bits, kv_group_size, quantized_kv_start = kv
+    drafter = make_drafter(draft, num_draft_tokens, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                           quantized_kv_start=quantized_kv_start)
     params = _seeded_params(sampling, options)
     _, processors = make_sampling(params.updated(temp=0.0, sampler=None))
-    kv_bits, kv_group_size, quantized_kv_start = kv
 
     def quantize(c):
         maybe_quantize_kv_cache(c, quantized_kv_start, kv_group_size, kv_bits)

@@ -569,6 +569,36 @@ def load(
     return _with_adapters(model, adapter_path), tokenizer
 
 
+def load_draft(path_or_hf_id: Union[str, Path], tokenizer, **options) -> nn.Module:
+    """A draft model for speculative decoding (``stream_generate(..., draft=model)``), loaded like ``load(path,
+    **options)`` (any format; ``dtype``, ``quantize`` etc. as there; one process: no ``parallel``). Its tokenizer
+    must have ``tokenizer``'s vocabulary (the same ids for the same tokens and specials), else ValueError naming the
+    path and what differs. A vision tower the checkpoint carries is dropped (a draft reads token ids only)."""
+    if options.get("parallel") is not None:
+        raise ValueError(f"{path_or_hf_id}: a draft model is loaded in one process (parallel= is not supported)")
+    model, draft_tokenizer = load(path_or_hf_id, **options)
+    problem = vocabulary_difference(draft_tokenizer, tokenizer)
+    if problem:
+        raise ValueError(f"{path_or_hf_id}: the draft model's tokenizer differs from the target's ({problem}); a "
+                         "draft model must share the target's tokenizer")
+    model.image_encoder = None
+    model.no_images_reason = "a draft model takes no images (it drafts from token ids)"
+    return model
+
+
+def vocabulary_difference(tokenizer, reference) -> Optional[str]:
+    """What differs between two tokenizers' vocabularies (size, then the first ids whose token differs), or None."""
+    if tokenizer.vocab_size != reference.vocab_size:
+        return f"vocabulary of {tokenizer.vocab_size} ids, the target's {reference.vocab_size}"
+    mine, theirs = tokenizer.get_vocab(), reference.get_vocab()
+    if mine == theirs:
+        return None
+    mine_by_id, theirs_by_id = ({i: t for t, i in v.items()} for v in (mine, theirs))
+    differ = sorted(i for i in mine_by_id.keys() | theirs_by_id.keys() if mine_by_id.get(i) != theirs_by_id.get(i))
+    shown = ", ".join(f"id {i}: {mine_by_id.get(i)!r} vs the target's {theirs_by_id.get(i)!r}" for i in differ[:3])
+    return f"{len(differ)} ids name other tokens ({shown}{', ...' if len(differ) > 3 else ''})"
+
+
 def _attach_images(model: nn.Module, tokenizer, source: Optional[Path], mmproj, group, everywhere: bool) -> None:
     """``model.image_encoder`` on every rank (see ``_attach_image_encoder``), a step all ranks pass or fail
     together; on a group of several ranks it shares rank 0's features (``parallel.images.GroupImageEncoder``;

@@ -929,14 +929,26 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "speculative: the logits processors see the history without the drafts before the position",
-        (("kimi_mlx/speculative/loop.py", "mx.array(history + list(drafts[:i]), dtype=mx.int32)",
-          "mx.array(history, dtype=mx.int32)"),),
+        (("kimi_mlx/speculative/accept.py", "mx.array(list(history) + list(drafts[:i]), dtype=mx.int32)",
+          "mx.array(list(history), dtype=mx.int32)"),),
         ("tests/test_speculative.py::test_greedy_with_logits_processors_equals_plain_decoding",),
     ),
     PlantedBug(
         "speculative: a rejection draws from the target, not the residual",
         (("kimi_mlx/speculative/accept.py", "residual = mx.maximum(probs[n] - q, 0.0)", "residual = probs[n]"),),
         ("tests/test_speculative.py::test_sampled_acceptance_preserves_the_target_distribution",),
+    ),
+    PlantedBug(
+        "speculative: a draft model's cache not rolled back (only its token list is)",
+        (("kimi_mlx/speculative/draft_model.py", "        self.cache.trim(self.cache.offset - cp.offset)\n", ""),),
+        ("tests/test_speculative_draft_model.py::test_the_draft_cache_after_rollbacks_is_what_it_holds",
+         "tests/test_speculative_draft_model.py::test_greedy_with_a_draft_model_equals_plain_decoding"),
+    ),
+    PlantedBug(
+        "speculative: the draft model's q not passed to the acceptance rule (one-hot)",
+        (("kimi_mlx/speculative/loop.py", "accept_sampled(target.probs(logprobs), drafts, draft_probs, key=key)",
+          "accept_sampled(target.probs(logprobs), drafts, key=key)"),),
+        ("tests/test_speculative_draft_model.py::test_sampled_self_draft_accepts_everything_and_reproduces",),
     ),
     PlantedBug(
         "serve speculation: a run cut at a stop token rolls back to the accepted drafts, not to what was emitted",

@@ -7,55 +7,17 @@ a "fresh prefill" is a new cache fed the same tokens in one pass; distributions 
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
+from speculative_helpers import (
+    VOCAB, ScriptedDrafter, chi2, chi2_threshold, max_diff, plain_greedy, random_prompts, softmax,
+)
 
 from kimi_mlx.sampling import SamplingParams
 from kimi_mlx.speculative import (
     DraftLength, PromptLookup, TargetSampling, accept_greedy, accept_sampled, rollback, speculative_steps, verify_pass,
 )
-
-VOCAB = 512  # both reference fixtures
-
-
-def _plain(model, prompt, n, kv_bits=None):
-    """Greedy tokens of plain decoding (mlx-lm's loop, one token per pass)."""
-    cache = model.make_cache(kv_bits=kv_bits)
-    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda lp: mx.argmax(lp, axis=-1),
-                          prompt_cache=cache)
-    return [int(t) for t, _ in steps]
-
-
-def _prompts(count, seed):
-    """Prompts of random ids; most repeat a span of themselves (so that prompt lookup finds drafts)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(count):
-        head = rng.integers(0, VOCAB, int(rng.integers(5, 30))).tolist()
-        span = rng.integers(0, VOCAB, int(rng.integers(4, 20))).tolist()
-        out.append(head + span + head[: i % 5] + span if i % 4 else head + span)
-    return out
-
-
-class ScriptedDrafter:
-    """Drafts from the target's own greedy continuation (known in advance): ``right`` proposes it (every draft is
-    accepted), otherwise each draft is a wrong token (every draft is rejected)."""
-
-    def __init__(self, prompt_len, continuation, right):
-        self.prompt_len, self.cont, self.right = prompt_len, continuation, right
-        self.outcomes = []
-
-    def propose(self, history, k):
-        at = len(history) - self.prompt_len  # generated so far
-        true = self.cont[at : at + k]
-        return list(true) if self.right else [(t + 1) % VOCAB for t in true]
-
-    def observe(self, accepted, proposed):
-        self.outcomes.append((accepted, proposed))
 
 
 def _spec(model, prompt, n, drafter, kv_bits=None, k=6, length=None):
@@ -70,9 +32,9 @@ def test_greedy_lookup_equals_plain_decoding(arch, kv_bits):
     the tokens of plain greedy decoding, and it did draft, accept and reject (the check is not vacuous)."""
     _, _, _, model = arch
     drafted = accepted = 0
-    for i, prompt in enumerate(_prompts(22, seed=1)):
+    for i, prompt in enumerate(random_prompts(22, seed=1)):
         n = 128 if i >= 20 else 64
-        plain = _plain(model, prompt, n, kv_bits)
+        plain = plain_greedy(model, prompt, n, kv_bits)
         drafter = PromptLookup(max_draft=8)
         seen = []
         length = DraftLength(8, start=8, off_below=0.0)  # kept on: every lookup hit is verified and rolled back
@@ -91,30 +53,13 @@ def test_greedy_forced_acceptance_equals_plain_decoding(arch, kv_bits, right):
     """Drafts made from the target's own greedy continuation: all accepted, or all rejected (speculation kept on);
     the tokens are plain decoding's and the outcomes are what was forced."""
     _, _, _, model = arch
-    for prompt in _prompts(4, seed=2):
-        plain = _plain(model, prompt, 72, kv_bits)
+    for prompt in random_prompts(4, seed=2):
+        plain = plain_greedy(model, prompt, 72, kv_bits)
         drafter = ScriptedDrafter(len(prompt), plain, right)
         length = DraftLength(5, start=5, off_below=0.0)  # never switched off: every pass drafts
         assert _spec(model, prompt, 64, drafter, kv_bits, k=5, length=length) == plain[:64]
         full = [(a, p) for a, p in drafter.outcomes if p > 0]
         assert full and all(a == (p if right else 0) for a, p in full)
-
-
-def _max_diff(cache, ref, relative=True):
-    """Largest |difference| over every float array of two caches (scaled by max(1, max |ref|) when ``relative``);
-    quantized codes must be equal."""
-    worst = 0.0
-    for a, b in zip(cache, ref):
-        assert a.offset == b.offset
-        for x, y in zip(a.state, b.state):
-            assert x.shape == y.shape and x.dtype == y.dtype
-            if x.dtype == mx.uint32:
-                assert mx.array_equal(x, y).item(), "quantized latent codes differ"
-                continue
-            x, y = x.astype(mx.float32), y.astype(mx.float32)
-            scale = max(1.0, float(mx.abs(y).max().item())) if relative else 1.0
-            worst = max(worst, float(mx.abs(x - y).max().item()) / scale)
-    return worst
 
 
 def _rollback_rounds(model, kv_bits, seed, check):
@@ -155,7 +100,7 @@ def test_rollback_equals_the_same_tokens_fed_fresh(arch, kv_bits):
         ref = model.make_cache(kv_bits=kv_bits)
         for s in segments:
             model(mx.array([s]), cache=ref)
-        assert _max_diff(cache, ref, relative=False) == 0.0
+        assert max_diff(cache, ref, relative=False) == 0.0
 
     _rollback_rounds(model, kv_bits, seed=3, check=check)
 
@@ -172,7 +117,7 @@ def test_rollback_matches_a_fresh_prefill(request, case):
     def check(cache, segments):
         ref = model.make_cache(kv_bits=kv_bits)
         model(mx.array([[t for s in segments for t in s]]), cache=ref)
-        assert _max_diff(cache, ref) <= 1e-5
+        assert max_diff(cache, ref) <= 1e-5
 
     _rollback_rounds(model, kv_bits, seed=4, check=check)
 
@@ -180,26 +125,6 @@ def test_rollback_matches_a_fresh_prefill(request, case):
 # --- sampled acceptance on fixed logits -----------------------------------------------------------------------------
 
 N_DRAWS = 20000
-ALPHA = 1e-4  # each chi-square test fails a correct implementation with probability 1e-4 (over seeds)
-
-
-def _chi2_threshold(df, alpha=ALPHA):
-    """Upper alpha-quantile of chi-square(df) (Wilson-Hilferty; z = 3.719 for alpha = 1e-4)."""
-    z = {1e-4: 3.719}[alpha]
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def _chi2(counts, probs):
-    keep = probs * counts.sum() >= 5  # bins expected >= 5 times; the rest pooled
-    exp = np.append(probs[keep], probs[~keep].sum()) * counts.sum()
-    obs = np.append(counts[keep], counts[~keep].sum())
-    nz = exp > 0
-    return float(((obs[nz] - exp[nz]) ** 2 / exp[nz]).sum()), int(nz.sum() - 1)
-
-
-def _softmax(x, temp):
-    e = np.exp((x - x.max(-1, keepdims=True)) / temp)
-    return e / e.sum(-1, keepdims=True)
 
 
 @pytest.mark.parametrize("with_q", [False, True], ids=["one-hot draft", "draft distribution"])
@@ -211,8 +136,8 @@ def test_sampled_acceptance_preserves_the_target_distribution(with_q):
     rng = np.random.default_rng(5)
     logits = rng.normal(0, 1.5, (3, 12)).astype(np.float32)
     temp = 0.8
-    p = _softmax(logits, temp)
-    q = _softmax(rng.normal(0, 1.0, (2, 12)), 1.0) if with_q else None
+    p = softmax(logits, temp)
+    q = softmax(rng.normal(0, 1.0, (2, 12)), 1.0) if with_q else None
     target = TargetSampling(temp).probs(mx.log(mx.softmax(mx.array(logits), axis=-1)))
     mx.random.seed(11)
     firsts, seconds = np.zeros(12), np.zeros(12)
@@ -227,8 +152,8 @@ def test_sampled_acceptance_preserves_the_target_distribution(with_q):
             seconds[tokens[1]] += 1
     assert 0.1 * N_DRAWS < seconds.sum() < 0.9 * N_DRAWS  # both acceptance and rejection happen often
     for counts, probs in ((firsts, p[0]), (seconds, p[1])):
-        stat, df = _chi2(counts, probs)
-        assert stat < _chi2_threshold(df), (stat, df, counts, probs * counts.sum())
+        stat, df = chi2(counts, probs)
+        assert stat < chi2_threshold(df), (stat, df, counts, probs * counts.sum())
 
 
 def test_target_sampling_matches_mlx_lm_filters():
@@ -236,10 +161,10 @@ def test_target_sampling_matches_mlx_lm_filters():
     logits = np.array([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]], np.float32)
     lp = mx.array(logits) - mx.logsumexp(mx.array(logits), axis=-1, keepdims=True)
     got = np.array(TargetSampling(0.7, top_k=3).probs(lp))
-    want = _softmax(np.where(np.arange(6) < 3, logits, -np.inf), 0.7)
+    want = softmax(np.where(np.arange(6) < 3, logits, -np.inf), 0.7)
     np.testing.assert_allclose(got, want, atol=1e-6)
     got = np.array(TargetSampling(1.0, top_p=0.8).probs(lp))
-    p = _softmax(logits, 1.0)[0]
+    p = softmax(logits, 1.0)[0]
     keep = np.cumsum(np.sort(p)[::-1]) - np.sort(p)[::-1] < 0.8  # smallest set whose mass reaches top_p
     want = np.where(keep, p, 0) / p[keep].sum()
     np.testing.assert_allclose(got[0], want, atol=1e-6)
@@ -247,7 +172,7 @@ def test_target_sampling_matches_mlx_lm_filters():
 
 def test_sampled_runs_are_reproducible_and_speculate(kl_model):
     """Seeded sampled runs with speculation give the same tokens twice; drafts are accepted on a repetitive prompt."""
-    prompt = _prompts(2, seed=6)[1]
+    prompt = random_prompts(2, seed=6)[1]
 
     def run():
         mx.random.seed(7)
@@ -297,8 +222,8 @@ def test_draft_length_grows_shrinks_and_switches_off():
 def test_speculation_switches_off_when_every_draft_is_rejected(kl_model):
     """With the adaptive length, a drafter whose every draft is wrong is asked less and less: far fewer tokens are
     drafted than with speculation forced on."""
-    prompt = _prompts(1, seed=8)[0]
-    plain = _plain(kl_model, prompt, 100)
+    prompt = random_prompts(1, seed=8)[0]
+    plain = plain_greedy(kl_model, prompt, 100)
 
     def drafted(length):
         steps = speculative_steps(kl_model, prompt, kl_model.make_cache(), ScriptedDrafter(len(prompt), plain, False),
@@ -314,7 +239,7 @@ def test_speculation_switches_off_when_every_draft_is_rejected(kl_model):
 def test_the_callers_checkpoints_survive_speculation(kl_model):
     """A checkpoint the caller took after the prompt is still there after speculative decoding (the passes release
     their own), and restoring it gives the prompt's cache back."""
-    prompt = _prompts(2, seed=9)[1]
+    prompt = random_prompts(2, seed=9)[1]
     cache = kl_model.make_cache()
     kl_model(mx.array([prompt]), cache=cache)
     cp = cache.checkpoint()
@@ -324,7 +249,7 @@ def test_the_callers_checkpoints_survive_speculation(kl_model):
                                  max_tokens=40))
     assert out[-1][2].drafted > 0 and cache.checkpoints == [cp]
     cache.restore(cp)
-    assert _max_diff(cache, fresh, relative=False) == 0.0
+    assert max_diff(cache, fresh, relative=False) == 0.0
 
 
 def test_greedy_with_logits_processors_equals_plain_decoding():

@@ -61,7 +61,7 @@ from ..cache import HybridCache, cache_from_snapshot, check_kv_quant, merge_cach
 from ..image_prompt import ImageRows, PromptImage
 from ..parallel import comm
 from ..sampling import SamplingParams
-from ..speculative import DraftLength, PromptLookup, TargetSampling, rollback, verify_step
+from ..speculative import DraftLength, DraftModel, PromptLookup, TargetSampling, propose_drafts, rollback, verify_step
 from .prefix_cache import PrefixCache
 from .sampling import RowSampler, top_logprobs
 
@@ -220,6 +220,11 @@ def _request_from_json(d: dict) -> GenerationRequest:
                              frozenset(d["stop_token_ids"]), d["top_logprobs"], tuple(d["boundaries"]), d["system_end"],
                              images=tuple(PromptImage.from_json(im) for im in d["images"]),
                              prediction=(0,) if d["speculates"] else (), speculative=d["speculative"])
+
+
+def _target(params: SamplingParams) -> Optional[TargetSampling]:
+    """The distribution a request samples from (None: greedy)."""
+    return TargetSampling(params.temp, params.top_p, params.min_p, params.top_k) if params.temp > 0 else None
 
 
 def _cache_key(rows: Optional[ImageRows], tokens: list[int]) -> list[int]:
@@ -500,7 +505,7 @@ class Scheduler:
             row.reasoning_left = req.reasoning.tokens
         if self._speculates(req):
             row.length = DraftLength(self.num_draft_tokens)
-            row.drafter = self._drafter(req) if self.leader else None
+            row.drafter = self._drafter(row) if self.leader else None
         if entry_id is not None:
             entry = self.prefix_cache.get(entry_id)
             row.cache, row.done = cache_from_snapshot(entry.snapshot), entry.length
@@ -525,13 +530,15 @@ class Scheduler:
             return False
         return bool(req.prediction) or self.draft == "lookup" or (self.draft is not None and not req.images)
 
-    def _drafter(self, req: GenerationRequest):
-        """A new row's drafter: prompt lookup (also over its prediction), else a ``DraftModel`` of the server's."""
+    def _drafter(self, row: _Row):
+        """A new row's drafter: prompt lookup (also over its prediction), else a ``DraftModel`` of the server's
+        following the row's sampling and logits processors (its cache is the row's own)."""
+        req = row.request
         if req.prediction or self.draft == "lookup":
             return PromptLookup(max_draft=self.num_draft_tokens, reference=req.prediction, reference_at=len(req.tokens))
-        from ..speculative import DraftModel
-
-        return DraftModel(self.draft)
+        drafter = DraftModel(self.draft, **self.kv)
+        drafter.prepare(self.model, _target(req.sampling), row.sampler.processors)
+        return drafter
 
     def _snapshot(self, tokens: list[int], cache: HybridCache, row: int, kind: str) -> None:
         if self.prefix_cache is not None:
@@ -612,16 +619,15 @@ class Scheduler:
     def _speculate(self, row: _Row) -> None:
         """One speculative pass for the batch's only row: rank 0's drafts verified in one forward pass, rank 0's
         accepted tokens emitted up to the first stop token, the cache rolled back to what was emitted."""
-        history = row.request.tokens + row.generated
         k = row.draft_limit()
-        drafts = row.drafter.propose(history, k)[:k] if self.leader and k > 0 else []
+        drafts, q = [], None
+        if self.leader and k > 0:
+            drafts, q = propose_drafts(row.drafter, row.request.tokens + row.generated, k, self.model.args.vocab_size)
         drafts = self._share_ints(drafts)
-        params = row.sampler.params
-        target, key = None, None
-        if params.temp > 0:
-            target = TargetSampling(params.temp, params.top_p, params.min_p, params.top_k)
+        target, key = _target(row.sampler.params), None
+        if target is not None:
             row.sampler.key, key = mx.random.split(row.sampler.key)
-        tokens, n, logprobs = verify_step(self.model, self._batch, row.sampler.history, drafts,
+        tokens, n, logprobs = verify_step(self.model, self._batch, row.sampler.history, drafts, draft_probs=q,
                                           processors=row.sampler.processors, target=target, key=key)
         n, *tokens = self._share_ints([n, *tokens])
         stop = next((i for i, t in enumerate(tokens) if t in row.request.stop_token_ids), len(tokens) - 1)

@@ -16,11 +16,11 @@ target's own, so every pass yields between 1 and k + 1 tokens.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
-__all__ = ["TargetSampling", "accept_greedy", "accept_sampled"]
+__all__ = ["TargetSampling", "accept_greedy", "accept_sampled", "processed_logprobs"]
 
 
 class TargetSampling:
@@ -43,6 +43,22 @@ class TargetSampling:
         if self.top_k > 0:
             x = apply_top_k(x, self.top_k)
         return mx.softmax(x * (1.0 / self.temp), axis=-1)
+
+
+def processed_logprobs(processors: Sequence[Callable], history: Sequence[int], drafts: Sequence[int],
+                       logits: mx.array) -> mx.array:
+    """Log-probabilities [N, vocab] of ``logits`` [N, vocab], row i after the logits processors on ``history``
+    extended by the first i ``drafts`` (what plain decoding would have seen there): the verify pass's rows, and a
+    draft model's step (N = 1, its drafts so far in ``history``)."""
+    if processors:
+        rows = []
+        for i in range(logits.shape[0]):
+            row, seen = logits[i : i + 1], mx.array(list(history) + list(drafts[:i]), dtype=mx.int32)
+            for process in processors:
+                row = process(seen, row)
+            rows.append(row)
+        logits = mx.concatenate(rows, axis=0)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def accept_greedy(logprobs: mx.array, drafts: Sequence[int]) -> tuple[list[int], int]:

@@ -2,8 +2,12 @@
 
 A ``Drafter`` proposes up to ``k`` next tokens after ``history`` (the prompt and every token generated so far, ids)
 and hears back, after each verify pass, how many of its proposals were accepted (``observe``), so that it can adapt.
-A drafter that also gives its proposal distribution (``draft_probs``) lets the sampled acceptance rule use it; the
-model-free drafters here propose deterministic tokens (their distribution is one-hot).
+Two optional parts: ``prepare(target, sampling, processors)``, called by the loop before the first pass (the
+target model, its ``TargetSampling`` or None for greedy, its logits processors: a model drafter checks its
+vocabulary and drafts under the same options), and ``draft_probs``, set by ``propose`` to the distributions
+``[len(drafts), vocab]`` the drafts were drawn from (None, or no such attribute: deterministic drafts, one-hot q),
+which the sampled acceptance rule then uses. The model-free drafters here propose deterministic tokens;
+``draft_model.DraftModel`` (a Kimi model) gives both parts.
 
 ``PromptLookup`` is model-free: it finds the most recent earlier occurrence of the history's last n tokens (n tried
 from the largest of ``ngram_sizes`` down) and proposes the tokens that followed it. Given a ``reference`` (an API
@@ -14,6 +18,10 @@ where the last accepted drafts from it ended, and proposes the reference's start
 from __future__ import annotations
 
 from typing import Optional, Protocol, Sequence
+
+import mlx.nn as nn
+
+from .draft_model import DraftModel
 
 __all__ = ["Drafter", "PromptLookup", "make_drafter"]
 
@@ -86,12 +94,20 @@ class PromptLookup:
             self._cursor = self._from + accepted
 
 
-def make_drafter(draft, max_draft: int) -> Optional[Drafter]:
-    """``draft`` as a drafter: None (no speculation), "lookup" (``PromptLookup`` with ``max_draft``), or a drafter."""
+def make_drafter(draft, max_draft: int, **model_options) -> Optional[Drafter]:
+    """``draft`` as a drafter: None (no speculation), "lookup" (``PromptLookup`` with ``max_draft``), a loaded Kimi
+    model (an ``nn.Module``: ``DraftModel(draft, **model_options)``, e.g. the latent-cache options ``kv_bits``,
+    ``kv_group_size``, ``quantized_kv_start``), or a drafter."""
     if draft is None:
         return None
-    if draft == "lookup":
-        return PromptLookup(max_draft=max_draft)
+    if isinstance(draft, str):
+        if draft == "lookup":
+            return PromptLookup(max_draft=max_draft)
+        raise ValueError(f"draft={draft!r}: the only named drafter is 'lookup'; load a draft model with "
+                         f"kimi_mlx.loading.load_draft(path, tokenizer) and pass the model")
+    if isinstance(draft, nn.Module):
+        return DraftModel(draft, **model_options)
     if hasattr(draft, "propose") and hasattr(draft, "observe"):
         return draft
-    raise ValueError(f"draft must be None, 'lookup' or a drafter (propose/observe), got {draft!r}")
+    raise ValueError(f"draft must be None, 'lookup', a loaded Kimi model or a drafter (propose/observe), "
+                     f"got {type(draft).__name__}")

@@ -16,12 +16,12 @@ import mlx.nn as nn
 
 from ..cache import HybridCache
 from ..sampling import SamplingParams
-from .accept import TargetSampling, accept_greedy, accept_sampled
+from .accept import TargetSampling, accept_greedy, accept_sampled, processed_logprobs
 from .adaptive import DraftLength
 from .drafts import Drafter
 from .verify import rollback, verify_pass
 
-__all__ = ["Speculation", "check_speculative_sampling", "speculative_steps", "verify_step"]
+__all__ = ["Speculation", "check_speculative_sampling", "propose_drafts", "speculative_steps", "verify_step"]
 
 
 @dataclass(frozen=True)
@@ -42,39 +42,41 @@ def check_speculative_sampling(params: SamplingParams) -> None:
                          "with draft=")
 
 
-def _processed(processors: Sequence[Callable], history: list[int], drafts: Sequence[int],
-               logits: mx.array) -> mx.array:
-    """Log-probabilities [1 + k, vocab] of the verify pass, row i after the logits processors on the history
-    extended by the first i drafts (what plain decoding would have seen there)."""
-    if processors:
-        rows = []
-        for i in range(logits.shape[0]):
-            row, seen = logits[i : i + 1], mx.array(history + list(drafts[:i]), dtype=mx.int32)
-            for process in processors:
-                row = process(seen, row)
-            rows.append(row)
-        logits = mx.concatenate(rows, axis=0)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+def propose_drafts(drafter: Drafter, history: list[int], k: int, vocab: int) -> tuple[list[int], Optional[mx.array]]:
+    """Up to ``k`` drafts and their q ([len(drafts), vocab]: the drafter's ``draft_probs`` after ``propose``, None
+    for a drafter without one: one-hot)."""
+    if k <= 0:
+        return [], None
+    drafts = list(drafter.propose(history, k))[:k]
+    q = getattr(drafter, "draft_probs", None)
+    if q is None or not drafts:
+        return drafts, None
+    if q.ndim != 2 or q.shape[0] < len(drafts) or q.shape[1] != vocab:
+        raise ValueError(f"the drafter's draft_probs must be [{len(drafts)} drafts, {vocab} (the target's "
+                         f"vocabulary)], got {list(q.shape)}")
+    return drafts, q[: len(drafts)]
 
 
 def verify_step(model: nn.Module, cache: HybridCache, history: list[int], drafts: Sequence[int], *,
                 processors: Sequence[Callable] = (), target: Optional[TargetSampling] = None,
+                draft_probs: Optional[mx.array] = None,
                 key: Optional[mx.array] = None) -> tuple[list[int], int, mx.array]:
     """One verify pass and its acceptance, before the rollback: ``history[-1]`` (the newest token, not yet in
     ``cache``) and ``drafts`` through the target in one pass, the logits processors applied per position
     (``processors`` see ``history``, which may be the recent tokens only, as a sampler's), then the greedy rule
-    (``target`` None) or the speculative-sampling rule (drawing with ``key``; None: the global generator).
+    (``target`` None) or the speculative-sampling rule with the drafts' q (``draft_probs`` [k, vocab], None:
+    one-hot), drawing with ``key`` (None: the global generator).
 
     Returns ``(tokens, n, logprobs)``: the n accepted drafts and the target's next token, and the log-probabilities
     [1 + k, vocab] after the processors (row i: the distribution of ``tokens[i]``). The cache still holds every
     draft: the caller cuts the run where it must (a stop token) and calls ``rollback(model, cache, history[-1],
     drafts, kept)`` with ``kept`` <= n."""
     logits = verify_pass(model, cache, history[-1], drafts)
-    logprobs = _processed(processors, history, drafts, logits)
+    logprobs = processed_logprobs(processors, history, drafts, logits)
     if target is None:
         tokens, n = accept_greedy(logprobs, drafts)
     else:
-        tokens, n = accept_sampled(target.probs(logprobs), drafts, key=key)
+        tokens, n = accept_sampled(target.probs(logprobs), drafts, draft_probs, key=key)
     return tokens, n, logprobs
 
 
@@ -100,13 +102,16 @@ def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCach
     check_speculative_sampling(params)
     length = length or DraftLength(num_draft_tokens)
     target = TargetSampling(params.temp, params.top_p, params.min_p, params.top_k) if params.temp > 0 else None
+    if callable(getattr(drafter, "prepare", None)):
+        drafter.prepare(model, target, processors)
     history = list(prompt)
     _prefill(model, cache, history[:-1], prefill_step_size, after_forward)
     last, produced, drafted, accepted = history[-1], 0, 0, 0
     while produced < max_tokens:
         k = min(length.next_length(), max_tokens - produced - 1)
-        drafts = drafter.propose(history, k)[:k] if k > 0 else []
-        tokens, n, logprobs = verify_step(model, cache, history, drafts, processors=processors, target=target)
+        drafts, q = propose_drafts(drafter, history, k, model.args.vocab_size)
+        tokens, n, logprobs = verify_step(model, cache, history, drafts, processors=processors, target=target,
+                                          draft_probs=q)
         rollback(model, cache, last, drafts, n)
         after_forward(cache)
         length.observe(n, len(drafts))
