@@ -184,3 +184,27 @@ def test_prompt_lookup_reads_a_reference_in_order():
     look.observe(1, 3)
     assert look.propose(history + [6, 4], 3) == []  # "6 4" and "4" occur nowhere
     assert PromptLookup(ngram_sizes=(1,)).propose([5, 6, 5], 2) == [6, 5]
+
+
+def test_a_draft_model_speculates_exactly(kl):
+    """``draft=`` a model (the target itself: every greedy draft is right): each row's ``DraftModel`` follows its
+    history across passes and batched turns; tokens and log-probabilities equal the request without speculation;
+    a request with a (wrong) prediction drafts by lookup instead."""
+    model, tok = kl
+    prompts = _prompts(3, seed=7)
+    wants = [_reference(model, tok, p) for p in prompts]
+    e = Scheduler(model, max_batch=2, prefill_chunk=64, draft=model, num_draft_tokens=4).start()
+    try:
+        plain = [_run(e.submit(_req(p, speculative=False))) for p in prompts]
+        first = _run(e.submit(_req(prompts[0])))
+        both = [e.submit(_req(p, 20 if i else N)) for i, p in enumerate(prompts[1:])]  # batched, then one alone
+        rest = [_run(s) for s in both]
+        wrong = _run(e.submit(_req(prompts[0], prediction=tuple((t + 1) % VOCAB for t in wants[0]))))
+    finally:
+        e.stop()
+    for (tokens, lps, fin), (want_tokens, want_lps, _) in zip([first, *rest], plain):
+        assert tokens[:N] == want_tokens and lps[:N] == pytest.approx(want_lps, abs=1e-4)
+    assert rest[1][0] == _reference(model, tok, prompts[2], 20)
+    assert first[2].accepted == first[2].drafted > 0 and rest[1][2].accepted == rest[1][2].drafted > 0
+    assert wrong[0] == wants[0] and wrong[2].accepted == 0 < wrong[2].drafted
+    assert e.stats["speculation"]["draft"] == "model"
