@@ -576,7 +576,7 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "serve: Anthropic thinking.budget_tokens ignored",
-        (("kimi_mlx/server/scheduler.py", "            row.follow_budget(token)\n", ""),),
+        (("kimi_mlx/server/scheduler.py", "        row.follow_budget(token)\n", ""),),
         ("tests/test_server_k3.py::test_anthropic_thinking_budget",),
     ),
     PlantedBug(

@@ -13,7 +13,7 @@ RANK_SCRIPT = """
 import numpy as np
 from kimi_mlx.generate import stream_generate
 from kimi_mlx.loading import load
-from kimi_mlx.server.scheduler import GenerationRequest, Scheduler
+from kimi_mlx.server.scheduler import GenerationRequest, ReasoningBudget, Scheduler
 
 path, mode = sys.argv[1], sys.argv[2]
 model, tok = load(path, dtype=mx.float32, parallel=mode, group=group)
@@ -42,20 +42,27 @@ def run(engine, parallel):
     for s in streams:
         events = list(s)
         out.append(([e.token for e in events[:-1]], events[-1].drafted, events[-1].accepted))
+    # a reasoning budget (rank 0's turns: passes until the closer is given, batched steps while it is)
+    events = list(engine.submit(GenerationRequest(prompts[0], 12, prediction=tuple(plain[0]),
+                                                  reasoning=ReasoningBudget(5, (300, 301), frozenset()))))
+    out.append(([e.token for e in events[:-1]], events[-1].drafted, events[-1].accepted))
     engine.stop()
     return out
 
 engine.start()
 dist = run(engine, True)
 single = run(Scheduler(ref_model, max_batch=3, prefill_chunk=16, draft="lookup", num_draft_tokens=4), False)
-report({"dist": dist, "single": single, "plain": plain[:2] + plain[1:]})
+budget = plain[0][:5] + [300, 301]
+budget += [r.token for r in stream_generate(ref_model, ref_tok, prompts[0] + budget, 5)]
+report({"dist": dist, "single": single, "plain": plain[:2] + plain[1:] + [budget]})
 """
 
 
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])
 def test_two_ranks_speculate_as_one_process(mode, tmp_path):
     """Rank 0's tokens, drafted and accepted counts equal one process's engine, and the
-    tokens equal plain greedy decoding; the other rank follows every pass and returns when rank 0 stops."""
+    tokens equal plain greedy decoding (a reasoning budget's closer included); the other rank follows every pass
+    and returns when rank 0 stops."""
     r0, r1 = run_ranks(RANK_SCRIPT, 2, tmp_path, args=(KL_FIXTURE / "hf", mode), timeout=400)
     assert r1 == {"served": True}
     assert r0["dist"] == r0["single"]

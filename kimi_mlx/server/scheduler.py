@@ -87,7 +87,7 @@ class GenerationRequest:
     after one of them (it is reported). top_logprobs: None none, 0 the chosen token's, k also the k most likely.
     boundaries: prompt positions that end a message (snapshot points); system_end: end of the system prompt and
     tool declarations (a snapshot shared across conversations), 0 for none. reasoning: the reply's reasoning
-    budget (rank 0's tokens are every rank's, so only rank 0 keeps it). images: the ``PromptImage``s whose
+    budget (every rank follows it: whether a turn speculates depends on it). images: the ``PromptImage``s whose
     placeholders ``tokens`` holds, in prompt order. prediction: ids the reply is expected to repeat (a draft source:
     the request speculates with prompt lookup over its prompt, reply and prediction); speculative: False turns
     speculation off for this request. ``sampling.sampler`` is refused: each row draws with its own key
@@ -210,6 +210,8 @@ def _request_to_json(req: GenerationRequest) -> dict:
     d["images"] = [im.to_json() for im in req.images]
     d["speculates"] = req.speculative and bool(req.prediction)  # with a prediction: speculates without --draft
     d["speculative"] = req.speculative
+    budget = req.reasoning
+    d["reasoning"] = None if budget is None else [budget.tokens, list(budget.close), sorted(budget.ends)]
     return d
 
 
@@ -218,6 +220,8 @@ def _request_from_json(d: dict) -> GenerationRequest:
     the request speculates."""
     return GenerationRequest(d["tokens"], d["max_tokens"], SamplingParams.from_json(d["sampling"]),
                              frozenset(d["stop_token_ids"]), d["top_logprobs"], tuple(d["boundaries"]), d["system_end"],
+                             reasoning=ReasoningBudget(d["reasoning"][0], tuple(d["reasoning"][1]),
+                                                       frozenset(d["reasoning"][2])) if d["reasoning"] else None,
                              images=tuple(PromptImage.from_json(im) for im in d["images"]),
                              prediction=(0,) if d["speculates"] else (), speculative=d["speculative"])
 
@@ -591,7 +595,7 @@ class Scheduler:
             return
         if len(self._running) <= self.draft_max_batch and all(r.length is not None and not r.forced
                                                                for r in self._running):
-            self._speculate(self._running[0])
+            self._speculate(self._running[0])  # draft_max_batch is 1
         else:
             self._step()
 
@@ -619,11 +623,7 @@ class Scheduler:
     def _speculate(self, row: _Row) -> None:
         """One speculative pass for the batch's only row: rank 0's drafts verified in one forward pass, rank 0's
         accepted tokens emitted up to the first stop token, the cache rolled back to what was emitted."""
-        k = row.draft_limit()
-        drafts, q = [], None
-        if self.leader and k > 0:
-            drafts, q = propose_drafts(row.drafter, row.request.tokens + row.generated, k, self.model.args.vocab_size)
-        drafts = self._share_ints(drafts)
+        drafts, q = self._drafts(row)
         target, key = _target(row.sampler.params), None
         if target is not None:
             row.sampler.key, key = mx.random.split(row.sampler.key)
@@ -644,6 +644,17 @@ class Scheduler:
             if reason is not None:
                 self._retire([row], reason)
                 return
+
+    def _drafts(self, row: _Row) -> tuple[list[int], Optional[mx.array]]:
+        """Rank 0's drafts for ``row``'s next pass on every rank (none while its length is 0, which every rank
+        knows), and their q ([k, vocab] on rank 0 for a sampling draft model, else None)."""
+        k = row.draft_limit()
+        if k == 0:
+            return [], None
+        drafts, q = [], None
+        if self.leader:
+            drafts, q = propose_drafts(row.drafter, row.request.tokens + row.generated, k, self.model.args.vocab_size)
+        return self._share_ints(drafts), q
 
     def _share_ints(self, values: list[int]) -> list[int]:
         """Rank 0's ``values`` on every rank (as they are without a group)."""
