@@ -2,7 +2,8 @@
 same request with speculation off (``"speculative": false``), with OpenAI's Predicted Outputs right or wrong, with
 concurrent clients (turns alternate between speculative passes and batched steps) and on the Anthropic route;
 ``usage.completion_tokens_details`` counts accepted / rejected prediction tokens; bad ``prediction`` values are 400s
-in OpenAI's error shape; ``/health``, ``/v1/status`` and the log report the draft counts.
+in OpenAI's error shape; ``"speculative": false`` turns it off on the Anthropic and Responses routes too;
+``/health``, ``/v1/status`` and the log report the draft counts.
 """
 
 import concurrent.futures
@@ -56,7 +57,8 @@ def test_predicted_outputs_right_and_wrong_equal_plain(oai, server):
     assert details.accepted_prediction_tokens >= N // 3
     after = _stats(server)
     assert after["accepted"] - before["accepted"] == details.accepted_prediction_tokens
-    assert after["drafted"] - before["drafted"] == details.accepted_prediction_tokens + details.rejected_prediction_tokens
+    drafted = details.accepted_prediction_tokens + details.rejected_prediction_tokens
+    assert after["drafted"] - before["drafted"] == drafted
     wrong = " ".join(["zebra quartz"] * 20)
     got, got_lps, usage = _chat(oai, prediction={"type": "content", "content": [{"type": "text", "text": wrong}]})
     assert got == text and got_lps == pytest.approx(lps, abs=1e-4)
@@ -90,14 +92,31 @@ def test_concurrent_clients_get_their_plain_output(oai, server):
 
 
 def test_anthropic_messages_speculate_with_the_same_text(server, oai):
-    """The Anthropic route speculates too (its usage has no field for it: the server's stats count it)."""
+    """The Anthropic route speculates too (its usage has no field for it: the server's stats count it), unless
+    the request sends ``"speculative": false``."""
     text, _, _ = _chat(oai, extra_body=OFF)
     before = _stats(server)
     claude = anthropic.Anthropic(base_url=server.base, api_key="none", max_retries=0)
     m = claude.messages.create(model="demo", max_tokens=N, system="Be brief.",
                                messages=[{"role": "user", "content": CHAT[1]["content"]}])
     assert m.content[0].text == text
-    assert _stats(server)["passes"] > before["passes"]
+    after = _stats(server)
+    assert after["passes"] > before["passes"]
+    m = claude.messages.create(model="demo", max_tokens=N, system="Be brief.", extra_body=OFF,
+                               messages=[{"role": "user", "content": CHAT[1]["content"]}])
+    assert m.content[0].text == text and _stats(server) == after
+
+
+def test_responses_speculate_unless_turned_off(server, oai):
+    """The Responses API speculates too; ``"speculative": false`` turns it off there as well, same text."""
+    before = _stats(server)
+    r = oai.responses.create(model="demo", input=CHAT[1]["content"], instructions="Be brief.", max_output_tokens=N,
+                             temperature=0)
+    after = _stats(server)
+    assert after["passes"] > before["passes"]
+    off = oai.responses.create(model="demo", input=CHAT[1]["content"], instructions="Be brief.",
+                               max_output_tokens=N, temperature=0, extra_body=OFF)
+    assert off.output_text == r.output_text and _stats(server) == after
 
 
 @pytest.mark.parametrize("prediction, param", [

@@ -285,6 +285,12 @@ class Tool(_Body):
     function: FunctionDef
 
 
+def speculative_field():
+    """The ``speculative`` extension field of the generating requests."""
+    return Field(None, description="kimi-mlx: false turns speculative decoding off for this request (default: on "
+                                   "where the server speculates)")
+
+
 class StreamOptions(_Body):
     include_usage: Optional[bool] = None
 
@@ -328,8 +334,7 @@ class _Sampling(_Body):
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[integer(ge=1)] = None
-    speculative: Optional[bool] = Field(None, description="kimi-mlx: false turns speculative decoding off for this "
-                                                          "request (default: on where the server speculates)")
+    speculative: Optional[bool] = speculative_field()
 
     @field_validator("stop")
     @classmethod
@@ -621,6 +626,7 @@ class ResponsesRequest(_Body):
     background: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     parallel_tool_calls: Optional[bool] = None
+    speculative: Optional[bool] = speculative_field()
 
     @field_validator("input")
     @classmethod
@@ -756,6 +762,7 @@ class MessagesRequest(_AnthropicPrompt):
     temperature: Optional[float] = Field(None, ge=0, le=1)
     top_p: Optional[float] = Field(None, ge=0, le=1)
     top_k: Optional[integer(ge=0)] = Field(None, description="0: off; at or above the vocabulary size: every token")
+    speculative: Optional[bool] = speculative_field()
 
     @field_validator("stop_sequences")
     @classmethod
