@@ -208,3 +208,28 @@ def test_a_draft_model_speculates_exactly(kl):
     assert first[2].accepted == first[2].drafted > 0 and rest[1][2].accepted == rest[1][2].drafted > 0
     assert wrong[0] == wants[0] and wrong[2].accepted == 0 < wrong[2].drafted
     assert e.stats["speculation"]["draft"] == "model"
+
+
+def test_an_8_bit_latent_cache_speculates_exactly(kl):
+    """With ``kv_bits=8`` (every row's latent cache quantized) a right and a wrong prediction give the tokens and
+    log-probabilities of the request without speculation, and the reply snapshot after a stop-token cut resumes
+    the next turn as a cold 8-bit engine does."""
+    model, _ = kl
+    prompt = _prompts(1, seed=8)[0]
+    e = Scheduler(model, prefill_chunk=64, kv_bits=8).start()
+    cold = Scheduler(model, prompt_cache_bytes=0, kv_bits=8).start()
+    try:
+        want, want_lps, _ = _run(e.submit(_req(prompt, speculative=False)))
+        for prediction in (want, [(t + 1) % VOCAB for t in want]):
+            tokens, lps, fin = _run(e.submit(_req(prompt, prediction=tuple(prediction))))
+            assert tokens == want and lps == pytest.approx(want_lps, abs=1e-4) and fin.drafted > 0
+        stop = want[7]
+        tokens, _, _ = _run(e.submit(_req(prompt, prediction=tuple(want), stop_token_ids=frozenset({stop}))))
+        turn2 = prompt + tokens + [5, 6]
+        resumed, resumed_lps, fin = _run(e.submit(_req(turn2, 6, speculative=False)))
+        assert fin.cached_tokens == len(prompt) + len(tokens) - 1
+        fresh, fresh_lps, _ = _run(cold.submit(_req(turn2, 6)))
+        assert resumed == fresh and resumed_lps == pytest.approx(fresh_lps, abs=1e-4)
+    finally:
+        e.stop()
+        cold.stop()
