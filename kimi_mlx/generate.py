@@ -28,7 +28,7 @@ from .chat.images import prepare_images
 from .image_prompt import ImagePrefill, ImageRows, PromptImage
 from .ops.memory import wired_during
 from .sampling import SamplingParams, make_sampling
-from .speculative import make_drafter, speculative_steps
+from .speculative import DraftModel, make_drafter, speculative_steps
 from .text_stream import TextStream
 from .validation import check_context, check_token_ids
 
@@ -191,14 +191,14 @@ def stream_generate(
 
 
 def _one_draft(draft, draft_model):
-    """``draft=`` or its mlx-lm spelling ``draft_model=`` (a model), not both."""
+    """``draft=`` or its mlx-lm spelling ``draft_model=`` (a model or a ``DraftModel``), not both."""
     if draft_model is None:
         return draft
     if draft is not None:
         raise ValueError("give draft= or draft_model= (mlx-lm's name for draft=<model>), not both")
-    if not isinstance(draft_model, nn.Module):
-        raise ValueError(f"draft_model= takes a loaded Kimi model (kimi_mlx.loading.load_draft), got "
-                         f"{type(draft_model).__name__}; use draft= for 'lookup' or a drafter")
+    if not isinstance(draft_model, (nn.Module, DraftModel)):
+        raise ValueError(f"draft_model= takes a loaded Kimi model (kimi_mlx.loading.load_draft) or a DraftModel, got "
+                         f"{type(draft_model).__name__}; use draft= for 'lookup' or another drafter")
     return draft_model
 
 

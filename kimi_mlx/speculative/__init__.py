@@ -64,7 +64,7 @@ Draft models (tests/test_speculative_draft_model.py):
   diverge; after a verify-like outcome only the new tokens are fed (the rejected drafts are not re-fed); its drafts
   equal a fresh draft model's on the same history;
 - sampled: ``draft_probs`` equals numpy's distribution of the draft model's fresh logits under the target's options;
-  one verify pass of 2 drafts from a perturbed draft model, 500 seeded draws: first token ~ p_0 and second (after the
+  one verify pass of 2 drafts from a perturbed draft model, 400 seeded draws: first token ~ p_0 and second (after the
   likeliest accepted first draft) ~ p_1, chi-square at 1e-4 each; the target as its own sampled draft has >= 95% of
   its drafts accepted (a one-hot q would accept almost none); seeded runs reproduce.
 
