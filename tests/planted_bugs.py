@@ -951,6 +951,17 @@ BUGS: tuple[PlantedBug, ...] = (
         ("tests/test_speculative_draft_model.py::test_sampled_self_draft_accepts_everything_and_reproduces",),
     ),
     PlantedBug(
+        "speculative: the verify pass's checkpoint releases the caller's oldest (a chat's checkpoint lost)",
+        (("kimi_mlx/speculative/verify.py", "cache.checkpoint(transient=True)", "cache.checkpoint()"),),
+        ("tests/test_speculative_session.py::test_verify_pass_keeps_the_callers_checkpoints_when_they_are_full",),
+    ),
+    PlantedBug(
+        "speculative: each rank verifies its own drafts, not rank 0's",
+        (("kimi_mlx/speculative/loop.py", "            mine, drafts = drafts, rank0(drafts)\n",
+          "            mine = rank0(drafts)\n"),),
+        ("tests/test_parallel_speculative.py::test_speculation_on_two_ranks",),
+    ),
+    PlantedBug(
         "serve speculation: a run cut at a stop token rolls back to the accepted drafts, not to what was emitted",
         (("kimi_mlx/server/scheduler.py", "rollback(self.model, self._batch, row.next_input, drafts, kept)",
           "rollback(self.model, self._batch, row.next_input, drafts, n)"),),

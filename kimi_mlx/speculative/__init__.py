@@ -39,6 +39,15 @@ Refused: a custom ``sampler=`` (its distribution is unknown), ``images=`` (the v
 token ids; a draft model's vision tower is dropped by ``load_draft`` and never used), a draft model of another
 vocabulary size.
 
+``ChatSession(..., draft=, num_draft_tokens=)`` speculates every turn: its drafter is asked with the whole
+conversation (``InContext``: the cache's tokens, then the turn's), and its cache and checkpoints end each turn as
+without speculation (the verify pass's checkpoint is transient: ``HybridCache.checkpoint(transient=True)``, so it
+never releases one of the caller's). ``kimi-mlx generate|chat|bench --draft lookup|PATH --num-draft-tokens K``
+(``cli/flags.py``). Distributed (``parallel=``): every rank runs the loop in lockstep, and ``speculative_steps``'s
+``rank0`` (a parallel model's ``rank0_ids``: a broadcast from rank 0) makes every rank verify rank 0's drafts and
+keep rank 0's outcome, so drafts, accepted counts, tokens and draft lengths are the same on every rank even where
+drafters (a draft model on ranks of different hardware) or draws could differ.
+
 Guarantees and their tests (tests/test_speculative.py; planted bugs in tests/planted_bugs.py):
 
 - greedy tokens equal plain decoding (mlx-lm's ``generate_step``) on the Kimi Linear and K3 fixtures, float and 8-bit
@@ -114,11 +123,8 @@ Not done (for the next session):
 - a cheap small-T verify path: MLA absorbed attention for T = 2..17 (``ops/mla_attention.py`` takes ``fused``, expanded
   for T > 1, while the cache fits one key block), the compiled KDA core for small T; then the cost curve on a Mac, and the per-step
   KDA states option if re-feeds show up there;
-- surfaces: ``ChatSession`` (its checkpoints survive: ``rollback`` releases the pass's own checkpoint, but taking it
-  counts against ``max_checkpoints``), ``kimi-mlx generate|chat --draft``, ``serve --draft`` (batch of one per
-  request; continuous batching needs per-row accepted counts, i.e. ragged rollback of a batched cache),
-  distributed pipeline / tensor runs (the verify pass is a forward; rollback must run on every rank), ``usage`` in
-  the server, ``bench --draft``;
+- surfaces: ``serve --draft`` (batch of one per request; continuous batching needs per-row accepted counts, i.e.
+  ragged rollback of a batched cache), ``usage`` in the server;
 - the realistic workload (a LoRA copy-with-edits demo model) and mlx-lm's refusal as the baseline;
 - ``stream_generate`` with ``draft=`` runs its own prefill (no image prefill, no ``generate_step`` async pipelining:
   the loop syncs once per pass).
@@ -127,12 +133,12 @@ Not done (for the next session):
 from .accept import TargetSampling, accept_greedy, accept_sampled
 from .adaptive import DraftLength
 from .draft_model import DraftModel, check_draft_vocab
-from .drafts import Drafter, PromptLookup, make_drafter
+from .drafts import Drafter, InContext, PromptLookup, make_drafter
 from .loop import Speculation, check_speculative_sampling, propose_drafts, speculative_steps, verify_step
 from .verify import rollback, verify_pass
 
 __all__ = [
-    "DraftModel", "Drafter", "DraftLength", "PromptLookup", "Speculation", "TargetSampling", "accept_greedy",
-    "accept_sampled", "check_draft_vocab", "check_speculative_sampling", "make_drafter", "propose_drafts", "rollback",
-    "speculative_steps", "verify_pass", "verify_step",
+    "DraftModel", "Drafter", "DraftLength", "InContext", "PromptLookup", "Speculation", "TargetSampling",
+    "accept_greedy", "accept_sampled", "check_draft_vocab", "check_speculative_sampling", "make_drafter",
+    "propose_drafts", "rollback", "speculative_steps", "verify_pass", "verify_step",
 ]

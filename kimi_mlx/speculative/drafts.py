@@ -23,7 +23,7 @@ import mlx.nn as nn
 
 from .draft_model import DraftModel
 
-__all__ = ["Drafter", "PromptLookup", "make_drafter"]
+__all__ = ["Drafter", "InContext", "PromptLookup", "make_drafter"]
 
 
 class Drafter(Protocol):
@@ -92,6 +92,24 @@ class PromptLookup:
         """Moves the reference cursor past the accepted drafts taken from it (the history needs no state)."""
         if self._from is not None:
             self._cursor = self._from + accepted
+
+
+class InContext:
+    """``drafter`` seeing ``context`` (ids already in the cache before the prompt a generation was given, e.g. a
+    chat's earlier turns) before each history it is asked about: a continued conversation drafts from all of it,
+    and a drafter with a cache of its own (``DraftModel``) follows the whole conversation."""
+
+    def __init__(self, drafter: Drafter, context: Sequence[int]):
+        self.drafter, self.context = drafter, list(context)
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        return self.drafter.propose(self.context + list(history), k)
+
+    def observe(self, accepted: int, proposed: int) -> None:
+        self.drafter.observe(accepted, proposed)
+
+    def __getattr__(self, name: str):  # the inner drafter's extras (e.g. its proposal distribution)
+        return getattr(self.drafter, name)
 
 
 def make_drafter(draft, max_draft: int, **model_options) -> Optional[Drafter]:

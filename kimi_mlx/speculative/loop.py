@@ -91,14 +91,18 @@ def _prefill(model: nn.Module, cache: HybridCache, ids: list[int], step: int, af
 def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCache, drafter: Drafter, *,
                       params: SamplingParams, processors: Sequence[Callable] = (), max_tokens: int = 256,
                       num_draft_tokens: int = 8, prefill_step_size: int = 2048,
-                      length: Optional[DraftLength] = None,
-                      after_forward: Callable = lambda cache: None) -> Iterator[tuple[int, mx.array, Speculation]]:
+                      length: Optional[DraftLength] = None, after_forward: Callable = lambda cache: None,
+                      rank0: Optional[Callable[[list[int]], list[int]]] = None,
+                      ) -> Iterator[tuple[int, mx.array, Speculation]]:
     """Generate up to ``max_tokens`` tokens after ``prompt`` (ids not yet in ``cache``) with drafts from ``drafter``.
 
     params: the sampling options (temp 0: greedy; else temp / top_p / min_p / top_k as mlx-lm's sampler; no custom
     sampler); processors: the logits processors (penalties, logit bias), applied per position; length: the adaptive
     draft length (default ``DraftLength(num_draft_tokens)``); after_forward: called with the cache after each forward
-    pass (latent-cache quantization). Yields (token, logprobs [vocab], Speculation)."""
+    pass (latent-cache quantization); rank0: on the ranks of a distributed model (every rank runs this loop in
+    lockstep), ids -> rank 0's ids on every rank (a collective); every rank then verifies rank 0's drafts and keeps
+    rank 0's outcome (accepted count and tokens), so the ranks' caches, draft lengths and outputs never part, even
+    where their drafters or draws could differ. Yields (token, logprobs [vocab], Speculation)."""
     check_speculative_sampling(params)
     length = length or DraftLength(num_draft_tokens)
     target = TargetSampling(params.temp, params.top_p, params.min_p, params.top_k) if params.temp > 0 else None
@@ -110,8 +114,14 @@ def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCach
     while produced < max_tokens:
         k = min(length.next_length(), max_tokens - produced - 1)
         drafts, q = propose_drafts(drafter, history, k, model.args.vocab_size)
+        if rank0 is not None:
+            mine, drafts = drafts, rank0(drafts)
+            if drafts != mine:  # rank 0's drafts: this rank's q is not theirs (its outcome is rank 0's anyway)
+                q = None
         tokens, n, logprobs = verify_step(model, cache, history, drafts, processors=processors, target=target,
                                           draft_probs=q)
+        if rank0 is not None:
+            n, *tokens = rank0([n, *tokens])
         rollback(model, cache, last, drafts, n)
         after_forward(cache)
         length.observe(n, len(drafts))
