@@ -150,7 +150,7 @@ def test_health_status_and_log_report_the_drafts(server):
 
 @pytest.mark.parametrize("flags, message", [
     (["--draft-max-batch", "2"], "--draft-max-batch 2: only 1 is supported"),
-    (["--num-draft-tokens", "0"], "--num-draft-tokens 0: must be >= 1"),
+    (["--num-draft-tokens", "0"], "--num-draft-tokens must be >= 1, got 0"),
 ])
 def test_bad_draft_flags_are_refused(tmp_path, flags, message):
     import subprocess

@@ -19,8 +19,8 @@ import sys
 from typing import TYPE_CHECKING, NamedTuple
 
 from . import ranks
-from .flags import (add_chat_args, add_kv_args, add_model_args, add_sampling_args, kv_from_args, load_from_args,
-                    sampling_from_args)
+from .flags import (add_chat_args, add_draft_args, add_kv_args, add_model_args, add_sampling_args, check_draft_args,
+                    draft_from_args, kv_from_args, load_from_args, sampling_from_args)
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -84,13 +84,10 @@ def add_parser(commands) -> None:
 
 
 def _add_draft_args(p: argparse.ArgumentParser) -> None:
-    """Speculative decoding (the engine speculates while the batch is small; see ``kimi_mlx.server.scheduler``)."""
-    p.add_argument("--draft", default=None, metavar="lookup|PATH",
-                   help="speculative decoding: 'lookup' (drafts copied from the prompt and the reply) or a draft "
-                        "model sharing the model's tokenizer (a path or repo, loaded like --model); requests may "
-                        "turn it off ('speculative': false). Without it only requests with a prediction speculate")
-    p.add_argument("--num-draft-tokens", type=int, default=8, metavar="K",
-                   help="most draft tokens verified per pass (the length adapts to the acceptance below it)")
+    """Speculative decoding (the engine speculates while the batch is small; see ``kimi_mlx.server.scheduler``):
+    the shared --draft / --num-draft-tokens (requests may turn it off with ``"speculative": false``; without
+    --draft only requests with a prediction speculate), and --draft-max-batch."""
+    add_draft_args(p)
     p.add_argument("--draft-max-batch", type=int, default=1, metavar="N",
                    help="speculate while at most N requests are decoding (only 1 is supported: with more rows the "
                         "batch already shares the weight reads)")
@@ -123,13 +120,13 @@ def _check(args: argparse.Namespace) -> None:
                         ("--image-url-timeout", args.image_url_timeout)):
         if not 0 < value:
             raise ValueError(f"{flag} {value}: must be > 0")
-    if args.num_draft_tokens < 1:
-        raise ValueError(f"--num-draft-tokens {args.num_draft_tokens}: must be >= 1")
+    if args.draft is not None or args.num_draft_tokens is None:
+        check_draft_args(args)
+    elif args.num_draft_tokens < 1:  # without --draft, K still bounds the drafts of requests with a prediction
+        raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
     if args.draft_max_batch != 1:
         raise ValueError(f"--draft-max-batch {args.draft_max_batch}: only 1 is supported (a verify pass over several "
                          "requests needs a per-request rollback of the batch cache, which is not built)")
-    if args.draft is not None and not args.draft.strip():
-        raise ValueError("--draft: expected 'lookup' or a draft model's path or repo, got an empty value")
     if args.responses_store_mb < 0:
         raise ValueError(f"--responses-store-mb {args.responses_store_mb}: must be >= 0")
     if args.parallel and args.adapter_path:
@@ -176,11 +173,7 @@ def _backend_parts(args: argparse.Namespace, group) -> BackendParts:
     budget = args.prompt_cache_bytes
     if budget is None:
         budget = max(0, usable_memory() - mx.get_active_memory()) // 4
-    draft = args.draft
-    if draft is not None and draft != "lookup":  # every rank loads it: the ranks agree on who speculates
-        from ..loading import load_draft
-
-        draft = load_draft(draft, tokenizer)
+    draft = draft_from_args(args, tokenizer, group)  # every rank loads a draft model: they agree on who speculates
     scheduler = Scheduler(model, max_batch=args.max_batch, max_queue=args.max_queue, prompt_cache_bytes=budget,
                           prefill_chunk=args.prefill_chunk, checkpoint_interval=args.checkpoint_interval, group=group,
                           draft=draft, num_draft_tokens=args.num_draft_tokens, draft_max_batch=args.draft_max_batch,

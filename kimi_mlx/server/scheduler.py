@@ -660,7 +660,7 @@ class Scheduler:
         """Rank 0's ``values`` on every rank (as they are without a group)."""
         if self.group is None:
             return values
-        return json.loads(comm.broadcast_text(json.dumps(values) if self.leader else None, self.group))
+        return comm.broadcast_ids(values, self.group)
 
     def _emit(self, row: _Row, token: int, lp: mx.array) -> Optional[str]:
         """Append ``token`` (log-probabilities ``lp`` [vocab]) to ``row``'s reply and send its event; returns why
