@@ -576,7 +576,7 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "serve: Anthropic thinking.budget_tokens ignored",
-        (("kimi_mlx/server/scheduler.py", "            row.follow_budget(token)\n", ""),),
+        (("kimi_mlx/server/scheduler.py", "        row.follow_budget(token)\n", ""),),
         ("tests/test_server_k3.py::test_anthropic_thinking_budget",),
     ),
     PlantedBug(
@@ -946,8 +946,8 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "speculative: the draft model's q not passed to the acceptance rule (one-hot)",
-        (("kimi_mlx/speculative/loop.py", "accept_sampled(target.probs(logprobs), drafts, q)",
-          "accept_sampled(target.probs(logprobs), drafts)"),),
+        (("kimi_mlx/speculative/loop.py", "accept_sampled(target.probs(logprobs), drafts, draft_probs, key=key)",
+          "accept_sampled(target.probs(logprobs), drafts, key=key)"),),
         ("tests/test_speculative_draft_model.py::test_sampled_self_draft_accepts_everything_and_reproduces",),
     ),
     PlantedBug(
@@ -960,6 +960,18 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/speculative/loop.py", "            mine, drafts = drafts, rank0(drafts)\n",
           "            mine = rank0(drafts)\n"),),
         ("tests/test_parallel_speculative.py::test_speculation_on_two_ranks",),
+    ),
+    PlantedBug(
+        "serve speculation: a run cut at a stop token rolls back to the accepted drafts, not to what was emitted",
+        (("kimi_mlx/server/scheduler.py", "rollback(self.model, self._batch, row.next_input, drafts, kept)",
+          "rollback(self.model, self._batch, row.next_input, drafts, n)"),),
+        ("tests/test_scheduler_speculative.py::test_a_stop_token_cuts_the_accepted_run_and_the_reply_snapshot_is_exact",),
+    ),
+    PlantedBug(
+        "serve speculation: a row being given its reasoning closer speculates",
+        (("kimi_mlx/server/scheduler.py", "all(r.length is not None and not r.forced",
+          "all(r.length is not None"),),
+        ("tests/test_scheduler_speculative.py::test_max_tokens_and_the_reasoning_budget_cap_the_pass",),
     ),
 )
 

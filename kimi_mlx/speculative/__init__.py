@@ -24,7 +24,9 @@ One job per module, on floor 1 beside ``generate`` (it imports ``cache`` and ``s
   min_p / top_k.
 - ``adaptive``: ``DraftLength``, the next draft length from the recent acceptance, and the off switch.
 - ``loop``: ``speculative_steps`` (batch of one): prefill, then draft / verify / accept / roll back / adapt, yielding
-  ``(token, logprobs, Speculation)``; it calls a drafter's ``prepare`` first and passes its ``draft_probs`` as q.
+  ``(token, logprobs, Speculation)``; it calls a drafter's ``prepare`` first and passes its ``draft_probs`` as q
+  (``propose_drafts``). Its pass, ``verify_step`` (verify + processors + acceptance, before the rollback), is also
+  the server engine's speculative turn (``kimi_mlx.server.scheduler``).
 
 Surface so far: ``stream_generate(..., draft="lookup" | a loaded Kimi model | a Drafter, num_draft_tokens=k)``
 (``draft_model=``: mlx-lm's name for ``draft=<model>``, an error with ``draft=``; and ``generate``, which passes
@@ -132,11 +134,11 @@ from .accept import TargetSampling, accept_greedy, accept_sampled
 from .adaptive import DraftLength
 from .draft_model import DraftModel, check_draft_vocab
 from .drafts import Drafter, InContext, PromptLookup, make_drafter
-from .loop import Speculation, check_speculative_sampling, speculative_steps
+from .loop import Speculation, check_speculative_sampling, propose_drafts, speculative_steps, verify_step
 from .verify import rollback, verify_pass
 
 __all__ = [
     "DraftModel", "Drafter", "DraftLength", "InContext", "PromptLookup", "Speculation", "TargetSampling",
-    "accept_greedy", "accept_sampled", "check_draft_vocab", "check_speculative_sampling", "make_drafter", "rollback",
-    "speculative_steps", "verify_pass",
+    "accept_greedy", "accept_sampled", "check_draft_vocab", "check_speculative_sampling", "make_drafter",
+    "propose_drafts", "rollback", "speculative_steps", "verify_pass", "verify_step",
 ]

@@ -21,7 +21,7 @@ from .adaptive import DraftLength
 from .drafts import Drafter
 from .verify import rollback, verify_pass
 
-__all__ = ["Speculation", "check_speculative_sampling", "speculative_steps"]
+__all__ = ["Speculation", "check_speculative_sampling", "propose_drafts", "speculative_steps", "verify_step"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def check_speculative_sampling(params: SamplingParams) -> None:
                          "with draft=")
 
 
-def _propose(drafter: Drafter, history: list[int], k: int, vocab: int) -> tuple[list[int], Optional[mx.array]]:
+def propose_drafts(drafter: Drafter, history: list[int], k: int, vocab: int) -> tuple[list[int], Optional[mx.array]]:
     """Up to ``k`` drafts and their q ([len(drafts), vocab]: the drafter's ``draft_probs`` after ``propose``, None
     for a drafter without one: one-hot)."""
     if k <= 0:
@@ -55,6 +55,29 @@ def _propose(drafter: Drafter, history: list[int], k: int, vocab: int) -> tuple[
         raise ValueError(f"the drafter's draft_probs must be [{len(drafts)} drafts, {vocab} (the target's "
                          f"vocabulary)], got {list(q.shape)}")
     return drafts, q[: len(drafts)]
+
+
+def verify_step(model: nn.Module, cache: HybridCache, history: list[int], drafts: Sequence[int], *,
+                processors: Sequence[Callable] = (), target: Optional[TargetSampling] = None,
+                draft_probs: Optional[mx.array] = None,
+                key: Optional[mx.array] = None) -> tuple[list[int], int, mx.array]:
+    """One verify pass and its acceptance, before the rollback: ``history[-1]`` (the newest token, not yet in
+    ``cache``) and ``drafts`` through the target in one pass, the logits processors applied per position
+    (``processors`` see ``history``, which may be the recent tokens only, as a sampler's), then the greedy rule
+    (``target`` None) or the speculative-sampling rule with the drafts' q (``draft_probs`` [k, vocab], None:
+    one-hot), drawing with ``key`` (None: the global generator).
+
+    Returns ``(tokens, n, logprobs)``: the n accepted drafts and the target's next token, and the log-probabilities
+    [1 + k, vocab] after the processors (row i: the distribution of ``tokens[i]``). The cache still holds every
+    draft: the caller cuts the run where it must (a stop token) and calls ``rollback(model, cache, history[-1],
+    drafts, kept)`` with ``kept`` <= n."""
+    logits = verify_pass(model, cache, history[-1], drafts)
+    logprobs = processed_logprobs(processors, history, drafts, logits)
+    if target is None:
+        tokens, n = accept_greedy(logprobs, drafts)
+    else:
+        tokens, n = accept_sampled(target.probs(logprobs), drafts, draft_probs, key=key)
+    return tokens, n, logprobs
 
 
 def _prefill(model: nn.Module, cache: HybridCache, ids: list[int], step: int, after: Callable) -> None:
@@ -90,17 +113,13 @@ def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCach
     last, produced, drafted, accepted = history[-1], 0, 0, 0
     while produced < max_tokens:
         k = min(length.next_length(), max_tokens - produced - 1)
-        drafts, q = _propose(drafter, history, k, model.args.vocab_size)
+        drafts, q = propose_drafts(drafter, history, k, model.args.vocab_size)
         if rank0 is not None:
             mine, drafts = drafts, rank0(drafts)
             if drafts != mine:  # rank 0's drafts: this rank's q is not theirs (its outcome is rank 0's anyway)
                 q = None
-        logits = verify_pass(model, cache, last, drafts)
-        logprobs = processed_logprobs(processors, history, drafts, logits)
-        if target is None:
-            tokens, n = accept_greedy(logprobs, drafts)
-        else:
-            tokens, n = accept_sampled(target.probs(logprobs), drafts, q)
+        tokens, n, logprobs = verify_step(model, cache, history, drafts, processors=processors, target=target,
+                                          draft_probs=q)
         if rank0 is not None:
             n, *tokens = rank0([n, *tokens])
         rollback(model, cache, last, drafts, n)
