@@ -138,8 +138,10 @@ BUGS: tuple[PlantedBug, ...] = (
     PlantedBug(
         "sampling: kimi-mlx chat seeds before loading (loading draws random numbers)",
         (("kimi_mlx/cli/chat.py",
-          "        model, tokenizer = load_from_args(args)\n        sampling = sampling_from_args(args)\n",
-          "        sampling = sampling_from_args(args)\n        model, tokenizer = load_from_args(args)\n"),),
+          "        model, tokenizer = load_from_args(args)\n        draft = draft_from_args(args, tokenizer, group)\n"
+          "        sampling = sampling_from_args(args)\n",
+          "        sampling = sampling_from_args(args)\n        model, tokenizer = load_from_args(args)\n"
+          "        draft = draft_from_args(args, tokenizer, group)\n"),),
         ("tests/test_sampling.py::test_cli_chat_passes_the_sampling_flags",),
     ),
     PlantedBug(
