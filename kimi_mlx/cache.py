@@ -541,9 +541,11 @@ class HybridCache(list):
         """Tokens seen (the same for every layer)."""
         return self[0].offset if self else 0
 
-    def checkpoint(self) -> CacheCheckpoint:
+    def checkpoint(self, transient: bool = False) -> CacheCheckpoint:
         """Keep every layer's ``checkpoint()`` (the KDA states, evaluated so that it holds no graph) and the offset;
-        returns the checkpoint."""
+        returns the checkpoint. ``transient``: one its taker releases again at once (a speculative verify pass's:
+        ``speculative.verify``), so taking it releases none of the kept ones (until it goes, the cache holds one
+        more than ``max_checkpoints``)."""
         offsets = {c.offset for c in self}
         if len(offsets) > 1:
             raise CheckpointError(f"cache layers disagree on the offset ({sorted(offsets)}); cannot checkpoint")
@@ -551,7 +553,8 @@ class HybridCache(list):
         mx.eval([a for s in states if s for a in s if a is not None])
         cp = CacheCheckpoint(self._id, next(self._serial), self.offset, states)
         self.checkpoints.append(cp)
-        del self.checkpoints[: -self.max_checkpoints]
+        if not transient:
+            del self.checkpoints[: -self.max_checkpoints]
         return cp
 
     def restore(self, cp: CacheCheckpoint) -> None:

@@ -28,7 +28,7 @@ from .chat.images import prepare_images
 from .image_prompt import ImagePrefill, ImageRows, PromptImage
 from .ops.memory import wired_during
 from .sampling import SamplingParams, make_sampling
-from .speculative import make_drafter, speculative_steps
+from .speculative import DraftModel, make_drafter, speculative_steps
 from .text_stream import TextStream
 from .validation import check_context, check_token_ids
 
@@ -191,21 +191,22 @@ def stream_generate(
 
 
 def _one_draft(draft, draft_model):
-    """``draft=`` or its mlx-lm spelling ``draft_model=`` (a model), not both."""
+    """``draft=`` or its mlx-lm spelling ``draft_model=`` (a model or a ``DraftModel``), not both."""
     if draft_model is None:
         return draft
     if draft is not None:
         raise ValueError("give draft= or draft_model= (mlx-lm's name for draft=<model>), not both")
-    if not isinstance(draft_model, nn.Module):
-        raise ValueError(f"draft_model= takes a loaded Kimi model (kimi_mlx.loading.load_draft), got "
-                         f"{type(draft_model).__name__}; use draft= for 'lookup' or a drafter")
+    if not isinstance(draft_model, (nn.Module, DraftModel)):
+        raise ValueError(f"draft_model= takes a loaded Kimi model (kimi_mlx.loading.load_draft) or a DraftModel, got "
+                         f"{type(draft_model).__name__}; use draft= for 'lookup' or another drafter")
     return draft_model
 
 
 def _speculative(model, prompt: mx.array, cache, draft, sampling, options, max_tokens: int, num_draft_tokens: int,
                  prefill_step_size: int, kv: tuple, images: bool):
     """``speculative_steps`` for ``stream_generate``'s arguments (a fresh cache when none is given; ``kv``: the
-    latent-cache options, for the target's cache and a draft model's)."""
+    latent-cache options, for the target's cache and a draft model's). On the ranks of a ``parallel=`` model every
+    rank takes rank 0's drafts and outcomes (``model.rank0_ids``, set by the parallel loader)."""
     if images:
         raise ValueError("draft= with images= is not supported: the verify pass and the drafters (prompt lookup, "
                          "a draft model's cache) take token ids only, not the image features of the prompt")
@@ -223,7 +224,8 @@ def _speculative(model, prompt: mx.array, cache, draft, sampling, options, max_t
     cache = model.make_cache() if cache is None else cache
     return speculative_steps(model, prompt.tolist(), cache, drafter, params=params, processors=processors,
                              max_tokens=max_tokens, num_draft_tokens=num_draft_tokens,
-                             prefill_step_size=prefill_step_size, after_forward=quantize)
+                             prefill_step_size=prefill_step_size, after_forward=quantize,
+                             rank0=getattr(model, "rank0_ids", None))
 
 
 def _responses(steps: Iterable[tuple], text: TextStream, prompt_tokens: int,

@@ -138,8 +138,10 @@ BUGS: tuple[PlantedBug, ...] = (
     PlantedBug(
         "sampling: kimi-mlx chat seeds before loading (loading draws random numbers)",
         (("kimi_mlx/cli/chat.py",
-          "        model, tokenizer = load_from_args(args)\n        sampling = sampling_from_args(args)\n",
-          "        sampling = sampling_from_args(args)\n        model, tokenizer = load_from_args(args)\n"),),
+          "        model, tokenizer = load_from_args(args)\n        draft = draft_from_args(args, tokenizer, group)\n"
+          "        sampling = sampling_from_args(args)\n",
+          "        sampling = sampling_from_args(args)\n        model, tokenizer = load_from_args(args)\n"
+          "        draft = draft_from_args(args, tokenizer, group)\n"),),
         ("tests/test_sampling.py::test_cli_chat_passes_the_sampling_flags",),
     ),
     PlantedBug(
@@ -576,7 +578,7 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "serve: Anthropic thinking.budget_tokens ignored",
-        (("kimi_mlx/server/scheduler.py", "            row.follow_budget(token)\n", ""),),
+        (("kimi_mlx/server/scheduler.py", "        row.follow_budget(token)\n", ""),),
         ("tests/test_server_k3.py::test_anthropic_thinking_budget",),
     ),
     PlantedBug(
@@ -946,9 +948,32 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "speculative: the draft model's q not passed to the acceptance rule (one-hot)",
-        (("kimi_mlx/speculative/loop.py", "accept_sampled(target.probs(logprobs), drafts, q)",
-          "accept_sampled(target.probs(logprobs), drafts)"),),
+        (("kimi_mlx/speculative/loop.py", "accept_sampled(target.probs(logprobs), drafts, draft_probs, key=key)",
+          "accept_sampled(target.probs(logprobs), drafts, key=key)"),),
         ("tests/test_speculative_draft_model.py::test_sampled_self_draft_accepts_everything_and_reproduces",),
+    ),
+    PlantedBug(
+        "speculative: the verify pass's checkpoint releases the caller's oldest (a chat's checkpoint lost)",
+        (("kimi_mlx/speculative/verify.py", "cache.checkpoint(transient=True)", "cache.checkpoint()"),),
+        ("tests/test_speculative_session.py::test_verify_pass_keeps_the_callers_checkpoints_when_they_are_full",),
+    ),
+    PlantedBug(
+        "speculative: each rank verifies its own drafts, not rank 0's",
+        (("kimi_mlx/speculative/loop.py", "            mine, drafts = drafts, rank0(drafts)\n",
+          "            mine = rank0(drafts)\n"),),
+        ("tests/test_parallel_speculative.py::test_speculation_on_two_ranks",),
+    ),
+    PlantedBug(
+        "serve speculation: a run cut at a stop token rolls back to the accepted drafts, not to what was emitted",
+        (("kimi_mlx/server/scheduler.py", "rollback(self.model, self._batch, row.next_input, drafts, kept)",
+          "rollback(self.model, self._batch, row.next_input, drafts, n)"),),
+        ("tests/test_scheduler_speculative.py::test_a_stop_token_cuts_the_accepted_run_and_the_reply_snapshot_is_exact",),
+    ),
+    PlantedBug(
+        "serve speculation: a row being given its reasoning closer speculates",
+        (("kimi_mlx/server/scheduler.py", "all(r.length is not None and not r.forced",
+          "all(r.length is not None"),),
+        ("tests/test_scheduler_speculative.py::test_max_tokens_and_the_reasoning_budget_cap_the_pass",),
     ),
     PlantedBug(
         "speculative: one paying pass after a probe resets the back-off",

@@ -54,18 +54,18 @@ def _draft_for(kind, path, target):
 
 @pytest.mark.parametrize("kv_bits", [None, 8])
 def test_greedy_with_a_draft_model_equals_plain_decoding(arch, kv_bits):
-    """Two prompts x 40 tokens per fixture and latent cache, speculation kept on: with the target as its own draft
+    """Two prompts x 32 tokens per fixture and latent cache, speculation kept on: with the target as its own draft
     every draft is accepted, with other random weights almost none (<= 10%), with perturbed weights some but not
     all; the tokens are plain greedy decoding's in every case."""
     _, path, _, model = arch
     counts = {kind: [0, 0] for kind in ("self", "other", "perturbed")}
     for prompt in random_prompts(2, seed=21):
-        plain = plain_greedy(model, prompt, 40, kv_bits)
+        plain = plain_greedy(model, prompt, 32, kv_bits)
         for kind in counts:
             draft = DraftModel(_draft_for(kind, path / "hf", model), kv_bits=kv_bits)
             length = DraftLength(6, start=4, off_below=0.0)
             out = list(speculative_steps(model, prompt, model.make_cache(kv_bits=kv_bits), draft,
-                                         params=SamplingParams(), max_tokens=40, length=length))
+                                         params=SamplingParams(), max_tokens=32, length=length))
             assert [t for t, _, _ in out] == plain, kind
             counts[kind][0] += out[-1][2].drafted
             counts[kind][1] += out[-1][2].accepted
@@ -103,13 +103,13 @@ class Recording:
 
 
 def _drive(draft, prompt, rng, check):
-    """Twelve proposals on a history that, in turn, takes some drafts and a token of its own (a verify pass's
+    """Nine proposals on a history that, in turn, takes some drafts and a token of its own (a verify pass's
     outcome), skips ahead by tokens the draft never proposed, or is edited before its end (diverges);
     ``check(history, drafts)`` after each. After an outcome the next proposal feeds only what is new (the last
     draft when all were taken, the token, the draft steps): the rejected drafts are dropped by a checkpoint restore,
     not re-fed."""
     history, expect = list(prompt), None
-    for r in range(12):
+    for r in range(9):
         k = int(rng.integers(1, 6))
         before = len(draft.model.calls)
         drafts = draft.propose(history, k)
@@ -181,12 +181,12 @@ def test_sampled_draft_probs_are_the_draft_models_distribution(kl_model):
         assert q[i, drafts[i]] > 0
 
 
-N_DRAWS = 500
+N_DRAWS = 400
 
 
 def test_sampled_with_a_draft_model_keeps_the_target_distribution(kl_dir, kl_model):
     """One verify pass of k = 2 drafts drawn by a perturbed draft model (top_k 4, temp 0.7: its top 4 overlap the
-    target's in part, so drafts are accepted, rejected, and sometimes have p = 0), repeated over 500 seeded draws from
+    target's in part, so drafts are accepted, rejected, and sometimes have p = 0), repeated over 400 seeded draws from
     the same prompt, the acceptance rule given the draft's q: the first token follows the target's p_0 and, when the
     first token was the accepted draft a (the likeliest accepted first draft), the second follows p_1( . | a), numpy's
     softmax of fresh forwards (chi-square; each test's false-failure rate 1e-4, 2e-4 together)."""
@@ -306,10 +306,11 @@ def test_draft_refusals(kl_dir, kl_model):
             list(stream_generate(kl_model, tok, prompt, 4, **kw))
 
     refused(r"draft model's vocabulary has 256 ids, the target's 512", draft=small)
-    refused(r"draft model's vocabulary has 256 ids, the target's 512", draft=DraftModel(small))
+    refused(r"draft model's vocabulary has 256 ids, the target's 512", draft_model=DraftModel(small))
     refused(r"draft= or draft_model=.*not both", draft="lookup", draft_model=kl_model)
     refused(r"draft_model= takes a loaded Kimi model", draft_model="lookup")
     refused(r"draft='ngram'.*only named drafter is 'lookup'", draft="ngram")
     refused(r"draft= with images= is not supported", draft=kl_model, images=[np.zeros((8, 8, 3), np.uint8)])
     with pytest.raises(ValueError, match="a Kimi model"):
         DraftModel(object())
+

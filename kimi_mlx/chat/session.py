@@ -28,6 +28,13 @@ tokens.
         print(event.text, end="")
     session.last.stats            # TurnStats: prompt/prefill/reused tokens, tok/s, peak memory, finish reason
     session.save("chat.safetensors"); ChatSession.load("chat.safetensors", model, tokenizer)
+
+Speculative decoding (``draft="lookup"`` or a draft model; ``kimi_mlx.speculative``): every reply is decoded with
+drafts verified in one pass; the drafter sees the whole conversation (``InContext``: the tokens in the cache, then the
+turn's), and a draft model's own cache follows it. The replies are those of plain decoding (greedy: the same tokens;
+sampled: the same distribution), and so are the session's cache and checkpoints after every turn (the verify passes'
+checkpoints are transient: none of the session's is released by them); ``TurnStats`` counts the drafted and
+accepted tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from ..image_prompt import ImagePrefill, ImageRows, PromptImage
 from ..ops.memory import wired_during
 from ..prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
 from ..sampling import SamplingParams
+from ..speculative import InContext, check_speculative_sampling, make_drafter
 
 SESSION_KEY = "chat_session"  # prompt-cache file metadata key holding the session as JSON
 STOP_MARKERS = {"kimi_linear": "<|im_end|>", "kimi_k3": "<|end_of_msg|>"}
@@ -80,7 +88,9 @@ class ChatEvent:
 class TurnStats:
     """prompt_tokens: the whole rendered prompt; prefill_tokens: the part actually prefilled this turn (the rest,
     reused_tokens, came from the cache); prompt_tps = prefill_tokens / prefill_s (prefill_s runs until the first
-    reply token); finish_reason: "stop", "length", "context" (max_kv_size reached) or "interrupted"."""
+    reply token); finish_reason: "stop", "length", "context" (max_kv_size reached) or "interrupted".
+    drafted_tokens / accepted_tokens: speculative decoding's drafts proposed to a verify pass this turn and those
+    accepted (0 without a drafter); ``acceptance`` is their ratio (None when nothing was drafted)."""
 
     prompt_tokens: int = 0
     prefill_tokens: int = 0
@@ -91,6 +101,12 @@ class TurnStats:
     generation_tps: float = 0.0
     peak_memory_gb: float = 0.0
     finish_reason: str = ""
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance(self) -> Optional[float]:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 
 
 @dataclass
@@ -139,7 +155,9 @@ class ChatSession:
     come from MLX's generator); ``session.sampling`` may be set between turns the same ways. kv_bits (8 or 4; None:
     float) / kv_group_size / quantized_kv_start: the MLA latent cache is quantized once it holds
     ``quantized_kv_start`` tokens (see ``stream_generate``); saved files keep it quantized and ``load`` refuses a file
-    of another setting.
+    of another setting. draft: None, "lookup" (prompt lookup over the conversation), a draft model (a Kimi model
+    sharing the tokenizer: ``loading.load_draft``) or a ``Drafter``; num_draft_tokens: the most drafts per verify
+    pass (the length adapts below it). See the module doc.
     """
 
     def __init__(
@@ -160,9 +178,15 @@ class ChatSession:
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
         quantized_kv_start: int = 0,
+        draft=None,
+        num_draft_tokens: int = 8,
     ):
         check_kv_settings(None, kv_bits, kv_group_size, quantized_kv_start)
         self.kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "quantized_kv_start": quantized_kv_start}
+        if draft is not None and num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        self.drafter = make_drafter(draft, num_draft_tokens, **self.kv)  # a draft model's cache quantized as ours
+        self.num_draft_tokens = num_draft_tokens
         self.model, self.tokenizer = model, tokenizer
         self.chat_format = chat_format or detect_chat_format(tokenizer)
         if self.chat_format not in STOP_MARKERS:
@@ -197,6 +221,8 @@ class ChatSession:
     @sampling.setter
     def sampling(self, value: Union[SamplingParams, Mapping[str, Any], None]) -> None:
         params = value if isinstance(value, SamplingParams) else SamplingParams().updated(**(value or {}))
+        if self.drafter is not None:
+            check_speculative_sampling(params)
         self._sampling = params
 
     def set_thinking(self, on: Optional[bool]) -> None:
@@ -340,6 +366,12 @@ class ChatSession:
             # the generator fed every yielded token: nothing to redo
             self.tokens, self.keys = list(target), self._keys(target, rows)
             return
+        if target is not None and offsets == {len(target) - 1} and len(target) > len(self.tokens) + 1:
+            # every yielded token but the last (speculative decoding feeds a pass's last token with the next pass)
+            keys = self._keys(target, rows)
+            self.tokens, self.keys = list(target[:-1]), keys[:-1]
+            self._prefill(target, keys, rows, len(target))
+            return
         if offsets != {len(self.tokens)}:
             self._roll_back(len(self.tokens))
         if target is not None:
@@ -383,7 +415,7 @@ class ChatSession:
             mx.reset_peak_memory()
             for last in stream_generate(
                 self.model, self.tokenizer, prompt[-1:], budget, stop_tokens=self.stop_tokens,
-                prompt_cache=self.cache, sampling=self.sampling, **self.kv,
+                prompt_cache=self.cache, sampling=self.sampling, **self.kv, **self._draft(),
             ):
                 if not reply:
                     stats.prefill_s = time.perf_counter() - tic
@@ -410,6 +442,12 @@ class ChatSession:
                 "/undo, /reset, or start with a larger --max-kv-size"
             )
 
+    def _draft(self) -> dict[str, Any]:
+        """``stream_generate``'s speculation keywords for this turn: the drafter seeing the cache's tokens first."""
+        if self.drafter is None:
+            return {}
+        return {"draft": InContext(self.drafter, self.tokens), "num_draft_tokens": self.num_draft_tokens}
+
     def _finish(self, parser: ReplyParser, stats: TurnStats, last, reply: list[int]) -> None:
         parser.finish()  # a no-op unless the stream was cut short
         message = parser.reply.to_message()
@@ -418,6 +456,8 @@ class ChatSession:
         if last is not None:
             stats.generation_tps = last.generation_tps
             stats.peak_memory_gb = last.peak_memory
+            stats.drafted_tokens = getattr(last, "drafted_tokens", 0)
+            stats.accepted_tokens = getattr(last, "accepted_tokens", 0)
         if stats.prefill_s:
             stats.prompt_tps = stats.prefill_tokens / stats.prefill_s
         self.last = Turn(message, stats, list(reply), list(message.get("tool_calls") or []))

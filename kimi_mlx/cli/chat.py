@@ -22,8 +22,8 @@ from pathlib import Path
 
 from . import ranks
 from ..parallel.comm import broadcast_text
-from .flags import (add_chat_args, add_kv_args, add_model_args, add_sampling_args, kv_from_args, load_from_args,
-                    sampling_from_args)
+from .flags import (add_chat_args, add_draft_args, add_kv_args, add_model_args, add_sampling_args, check_draft_args,
+                    draft_from_args, draft_text, kv_from_args, load_from_args, sampling_from_args)
 
 HELP = """commands:
   /reset              forget the conversation (settings stay)
@@ -48,6 +48,7 @@ def add_parser(commands) -> None:
                             "tower), and /save keeps it with the conversation.")
     add_model_args(p)
     add_sampling_args(p, max_tokens=512)
+    add_draft_args(p)
     add_chat_args(p)
     add_kv_args(p)
     p.add_argument("--tools", default=None, metavar="FILE", help="JSON file with a list of tool declarations")
@@ -139,7 +140,7 @@ class Repl:
                 self.write(RESET)
         self.write("\n")
         if self.session.last is not None:
-            self.write(_stats_line(self.session.last.stats) + "\n")
+            self.write(_stats_line(self.session.last.stats, _speculative(self.session)) + "\n")
             self.tool_round()
 
     def tool_round(self) -> None:
@@ -220,7 +221,7 @@ class Repl:
                 f"cache {st['cache_mb']:.1f} MB with {st['checkpoints']} checkpoints]\n"
             )
             if s.last is not None:
-                self.write(_stats_line(s.last.stats) + "\n")
+                self.write(_stats_line(s.last.stats, _speculative(s)) + "\n")
         else:
             raise ValueError(f"unknown command {name!r} (/help lists them)")
         return True
@@ -266,16 +267,23 @@ def _args_text(arguments) -> str:
     return json.dumps(arguments, ensure_ascii=False)
 
 
-def _stats_line(st) -> str:
+def _speculative(session) -> bool:
+    """Whether ``session`` decodes speculatively (its stats lines then show the drafted / accepted counts)."""
+    return getattr(session, "drafter", None) is not None
+
+
+def _stats_line(st, speculative: bool = False) -> str:
+    """The stats line after a reply (``st``: ``TurnStats``); ``speculative``: with the drafted / accepted counts."""
     return (
         f"[prompt {st.prompt_tokens} tok ({st.prefill_tokens} prefilled) {st.prompt_tps:.1f} tok/s | "
         f"generation {st.generation_tokens} tok {st.generation_tps:.1f} tok/s | "
-        f"peak memory {st.peak_memory_gb:.3f} GB | {st.finish_reason}]"
+        f"peak memory {st.peak_memory_gb:.3f} GB | {st.finish_reason}"
+        + (f" | {draft_text(st.drafted_tokens, st.accepted_tokens)}]" if speculative else "]")
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    return ranks.run_command(args, lambda: None, lambda group: _run(args, group))
+    return ranks.run_command(args, lambda: check_draft_args(args), lambda group: _run(args, group))
 
 
 def _run(args: argparse.Namespace, group) -> int:
@@ -286,11 +294,13 @@ def _run(args: argparse.Namespace, group) -> int:
     try:
         tools = _read_tools(args.tools) if args.tools else None
         model, tokenizer = load_from_args(args)
+        draft = draft_from_args(args, tokenizer, group)
         sampling = sampling_from_args(args)
         session = ChatSession(
             model, tokenizer, system=args.system, tools=tools, thinking=args.think, thinking_effort=args.effort,
             chat_format=args.chat_format, max_tokens=args.max_tokens, max_kv_size=args.max_kv_size,
-            max_checkpoints=args.max_checkpoints, sampling=sampling, **kv_from_args(args),
+            max_checkpoints=args.max_checkpoints, sampling=sampling, **kv_from_args(args), draft=draft,
+            num_draft_tokens=args.num_draft_tokens,
         )
         if args.load:
             with ranks.together(group, f"loading {args.load}"):

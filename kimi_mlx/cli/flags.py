@@ -1,6 +1,7 @@
 """The flags every command shares and what they turn into: the model flags (``add_model_args``, ``load_from_args``,
 ``DTYPES``), the sampling flags (``add_sampling_args`` -> ``sampling_from_args``: a ``SamplingParams``), the latent
-cache's quantization (``add_kv_args`` -> ``kv_from_args``) and the chat-format flags (``add_chat_args``).
+cache's quantization (``add_kv_args`` -> ``kv_from_args``), the chat-format flags (``add_chat_args``) and speculative
+decoding (``add_draft_args`` -> ``check_draft_args``, ``draft_from_args``, ``draft_stats``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import argparse
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
@@ -79,6 +81,66 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--effort", choices=("low", "high", "max"), default=None, help="Kimi-K3 thinking effort")
     p.add_argument("--chat-format", choices=("kimi_linear", "kimi_k3"), default=None,
                    help="override the chat format detected from the tokenizer")
+
+
+NUM_DRAFT_TOKENS = 8  # --num-draft-tokens when not given
+
+
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    """--draft, --num-draft-tokens: speculative decoding."""
+    p.add_argument("--draft", default=None, metavar="lookup|PATH",
+                   help="speculative decoding: 'lookup' (drafts copied from the prompt and the reply: n-gram "
+                        "lookup, no model) or a draft model sharing the model's tokenizer (a model directory, GGUF "
+                        "file, HF repo id or 'demo'; loaded with --dtype / --quantize, whole on every rank under "
+                        "--parallel). Same greedy output, same sampled distribution")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
+                   help=f"with --draft: the most tokens drafted per verify pass (the length adapts below it; "
+                        f"default {NUM_DRAFT_TOKENS})")
+
+
+def check_draft_args(args: argparse.Namespace) -> None:
+    """Refuse bad ``--draft`` / ``--num-draft-tokens`` values before anything is loaded (ValueError naming the flag);
+    sets ``args.num_draft_tokens`` to its default when not given."""
+    draft, k = args.draft, args.num_draft_tokens
+    if k is not None and draft is None:
+        raise ValueError(f"--num-draft-tokens {k} needs --draft (lookup or a draft model)")
+    if k is not None and k < 1:
+        raise ValueError(f"--num-draft-tokens must be >= 1, got {k}")
+    args.num_draft_tokens = NUM_DRAFT_TOKENS if k is None else k
+    if draft is None or draft in ("lookup", "demo") or Path(draft).expanduser().exists():
+        return
+    if draft.endswith(".gguf") or draft.count("/") != 1 or draft.startswith((".", "/", "~")):
+        raise ValueError(f"--draft {draft}: expected 'lookup' or a draft model (a model directory, GGUF file, HF "
+                         "repo id of the form 'org/name', or 'demo'); no such file or directory")
+
+
+def draft_from_args(args: argparse.Namespace, tokenizer, group: Optional[mx.distributed.Group] = None):
+    """``stream_generate``'s ``draft``: None, "lookup", or the ``--draft`` model loaded by ``loading.load_draft``
+    (whole, with ``--dtype`` / ``--quantize``; refused when its vocabulary is not ``tokenizer``'s). ``group``: the
+    ranks of ``--parallel``: every rank loads it, and all succeed or fail together. ValueError naming ``--draft``."""
+    if args.draft in (None, "lookup"):
+        return args.draft
+    from ..loading import load_draft
+
+    quantize = None if args.quantize is None else {"bits": args.quantize, "group_size": args.q_group_size}
+    with ranks.together(group, "loading the draft model"):
+        try:
+            return load_draft(args.draft, tokenizer, dtype=DTYPES.get(args.dtype), quantize=quantize)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--draft {args.draft}: {str(e).removeprefix(f'{args.draft}: ')}") from None
+
+
+def draft_stats(drafted: int, accepted: int) -> dict:
+    """The speculation counts of a generation: ``drafted_tokens``, ``accepted_tokens``, ``acceptance_rate``
+    (accepted / drafted; None when nothing was drafted)."""
+    return {"drafted_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None}
+
+
+def draft_text(drafted: int, accepted: int) -> str:
+    """``drafted N, accepted M (R%)`` for a stats line."""
+    rate = f"{100 * accepted / drafted:.0f}%" if drafted else "-"
+    return f"drafted {drafted}, accepted {accepted} ({rate})"
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

@@ -13,8 +13,8 @@ import mlx.core as mx
 
 from ..parallel.comm import broadcast_text
 from . import ranks
-from .flags import (add_chat_args, add_kv_args, add_model_args, add_sampling_args, kv_from_args, load_from_args,
-                    sampling_from_args)
+from .flags import (add_chat_args, add_draft_args, add_kv_args, add_model_args, add_sampling_args, check_draft_args,
+                    draft_from_args, draft_stats, draft_text, kv_from_args, load_from_args, sampling_from_args)
 
 
 def add_parser(commands) -> None:
@@ -22,6 +22,7 @@ def add_parser(commands) -> None:
     add_model_args(p)
     p.add_argument("--prompt", "-p", default="Hello", help="prompt text ('-' reads stdin)")
     add_sampling_args(p, max_tokens=100)
+    add_draft_args(p)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat format")
     p.add_argument("--image", action="append", default=[], metavar="PATH",
@@ -124,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--prompt-cache is not supported with --image (the cache file keys prompts by token "
                              "ids, which do not tell images apart)")
         _check_chat_flags(args)
+        check_draft_args(args)
+        if args.draft is not None and args.image:
+            raise ValueError(f"--draft {args.draft} is not supported with --image (speculative decoding runs text "
+                             "prompts; drop --draft for an image prompt)")
 
     def body(group) -> int:
         try:
@@ -140,9 +145,18 @@ def _run(args: argparse.Namespace, group: Optional[mx.distributed.Group]) -> int
     from ..generate import stream_generate
 
     model, tokenizer = load_from_args(args, progress=not (args.quiet or args.json), group=group)
+    draft = draft_from_args(args, tokenizer, group)
     images = _images(args, model)
     tokens = _prompt_tokens(args, tokenizer, images, group)
     cache, feed = _prompt_cache(args, model, tokens) if args.prompt_cache else (model.make_cache(), tokens)
+    speculation = {}
+    if draft is not None:
+        from ..speculative import InContext, make_drafter
+
+        drafter = make_drafter(draft, args.num_draft_tokens, **kv_from_args(args))
+        if len(feed) < len(tokens):  # the drafter sees the tokens of --prompt-cache too
+            drafter = InContext(drafter, tokens[: len(tokens) - len(feed)])
+        speculation = {"draft": drafter, "num_draft_tokens": args.num_draft_tokens}
     parser = None
     if args.chat:
         from ..chat.format import detect_chat_format
@@ -154,7 +168,7 @@ def _run(args: argparse.Namespace, group: Optional[mx.distributed.Group]) -> int
     tic = time.perf_counter()
     text, last, first_s = "", None, None
     for last in stream_generate(model, tokenizer, feed, args.max_tokens, sampling=sampling, stop_strings=args.stop,
-                                prompt_cache=cache, images=images, **kv_from_args(args)):
+                                prompt_cache=cache, images=images, **kv_from_args(args), **speculation):
         first_s = first_s or time.perf_counter() - tic
         text += last.text
         if parser is not None:
@@ -169,6 +183,7 @@ def _run(args: argparse.Namespace, group: Optional[mx.distributed.Group]) -> int
         "peak_memory_gb": last.peak_memory if last else 0.0, "finish_reason": last.finish_reason if last else None,
         "cache_bytes": cache.nbytes, "kv_bits": (cache.kv_quant or (None,))[0],
         "kv_group_size": (cache.kv_quant or (None, None))[1],
+        **draft_stats(getattr(last, "drafted_tokens", 0), getattr(last, "accepted_tokens", 0)),
     }
     if args.json:
         reply = None
@@ -187,7 +202,8 @@ def _run(args: argparse.Namespace, group: Optional[mx.distributed.Group]) -> int
             f"prompt: {stats['prompt_tokens']} tokens ({stats['prefill_tokens']} prefilled), "
             f"{stats['prompt_tps']:.1f} tok/s | generation: {stats['generation_tokens']} tokens, "
             f"{stats['generation_tps']:.1f} tok/s | peak memory: {stats['peak_memory_gb']:.3f} GB | "
-            f"finish: {stats['finish_reason']}",
+            f"finish: {stats['finish_reason']}"
+            + (f" | {draft_text(stats['drafted_tokens'], stats['accepted_tokens'])}" if draft is not None else ""),
             file=sys.stderr,
         )
     return 0

@@ -19,8 +19,8 @@ import sys
 from typing import TYPE_CHECKING, NamedTuple
 
 from . import ranks
-from .flags import (add_chat_args, add_kv_args, add_model_args, add_sampling_args, kv_from_args, load_from_args,
-                    sampling_from_args)
+from .flags import (add_chat_args, add_draft_args, add_kv_args, add_model_args, add_sampling_args, check_draft_args,
+                    draft_from_args, kv_from_args, load_from_args, sampling_from_args)
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -79,7 +79,18 @@ def add_parser(commands) -> None:
                    help="memory for stored /v1/responses responses (previous_response_id; least recently used go "
                         "first; 0 keeps none)")
     _add_image_args(p)
+    _add_draft_args(p)
     p.set_defaults(run=run)
+
+
+def _add_draft_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding (the engine speculates while the batch is small; see ``kimi_mlx.server.scheduler``):
+    the shared --draft / --num-draft-tokens (requests may turn it off with ``"speculative": false``; without
+    --draft only requests with a prediction speculate), and --draft-max-batch."""
+    add_draft_args(p)
+    p.add_argument("--draft-max-batch", type=int, default=1, metavar="N",
+                   help="speculate while at most N requests are decoding (only 1 is supported: with more rows the "
+                        "batch already shares the weight reads)")
 
 
 def _add_image_args(p: argparse.ArgumentParser) -> None:
@@ -109,6 +120,13 @@ def _check(args: argparse.Namespace) -> None:
                         ("--image-url-timeout", args.image_url_timeout)):
         if not 0 < value:
             raise ValueError(f"{flag} {value}: must be > 0")
+    if args.draft is not None or args.num_draft_tokens is None:
+        check_draft_args(args)
+    elif args.num_draft_tokens < 1:  # without --draft, K still bounds the drafts of requests with a prediction
+        raise ValueError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
+    if args.draft_max_batch != 1:
+        raise ValueError(f"--draft-max-batch {args.draft_max_batch}: only 1 is supported (a verify pass over several "
+                         "requests needs a per-request rollback of the batch cache, which is not built)")
     if args.responses_store_mb < 0:
         raise ValueError(f"--responses-store-mb {args.responses_store_mb}: must be >= 0")
     if args.parallel and args.adapter_path:
@@ -155,8 +173,10 @@ def _backend_parts(args: argparse.Namespace, group) -> BackendParts:
     budget = args.prompt_cache_bytes
     if budget is None:
         budget = max(0, usable_memory() - mx.get_active_memory()) // 4
+    draft = draft_from_args(args, tokenizer, group)  # every rank loads a draft model: they agree on who speculates
     scheduler = Scheduler(model, max_batch=args.max_batch, max_queue=args.max_queue, prompt_cache_bytes=budget,
                           prefill_chunk=args.prefill_chunk, checkpoint_interval=args.checkpoint_interval, group=group,
+                          draft=draft, num_draft_tokens=args.num_draft_tokens, draft_max_batch=args.draft_max_batch,
                           **kv_from_args(args))
     return BackendParts(model, tokenizer, chat_format, scheduler, sampling, budget)
 
@@ -219,7 +239,9 @@ def _serve(args: argparse.Namespace, group) -> int:
         log.info(f"kimi-mlx serve: {url} | model {model_id} ({parts.chat_format} format) | weights {weights:.3g} GB, "
                  f"memory in use {mx.get_active_memory() / 1e9:.2f} GB, prompt cache up to "
                  f"{parts.prompt_cache_bytes / 1e9:.2f} GB "
-                 f"| max batch {args.max_batch}" + (" | API key required" if args.api_key else "")
+                 f"| max batch {args.max_batch}"
+                 + (f" | draft {args.draft} (up to {args.num_draft_tokens} tokens)" if args.draft else "")
+                 + (" | API key required" if args.api_key else "")
                  + (" | images" + (" and image URLs" if args.allow_image_urls else "") if encoder else ""))
         return backend
 

@@ -3,7 +3,8 @@ shapes and conventions there; the Metal kernels: ``ops/mla_attention_metal.py``)
 
 - Metal on (``kimi_mlx.metal.enabled()``), absorbed, float keys: ``mla_attention_metal``, one kernel launch per key
   segment whatever its length, with ``absorbed_blocks``' gradients;
-- one float segment of at most ``key_block`` keys: ``fused`` (one ``scaled_dot_product_attention`` call);
+- one float segment of at most ``key_block`` keys: ``fused`` (one ``scaled_dot_product_attention`` call, absorbed or
+  expanded by the rule below);
 - else ``absorbed_blocks`` up to ``ABSORBED_MAX_QUERIES`` queries (decode, short chunks), ``expanded_blocks`` beyond
   (prefill): expanding a block pays off past T* = r(dn + dv) / (2r - dn - dv) queries (128 for the tiny fixtures,
   170 for Kimi-Linear-48B). Both read float and quantized segments (``ops/latent.py``).
@@ -60,5 +61,5 @@ def mla_attention(
     if floats and absorbed and metal.enabled():
         return mla_attention_metal(*args, key_block=key_block)
     if floats and len(kv_latent) == 1 and latent.width(kv_latent[0]) <= key_block:
-        return fused(q_nope, q_pe, kv_latent[0], k_pe[0], embed_q, unembed_out, scale, mask)
+        return fused(q_nope, q_pe, kv_latent[0], k_pe[0], embed_q, unembed_out, scale, mask, absorbed)
     return (absorbed_blocks if absorbed else expanded_blocks)(*args, key_block)

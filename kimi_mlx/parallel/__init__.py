@@ -12,6 +12,7 @@ are evaluated).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
@@ -21,7 +22,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..config import KimiConfig
-from .comm import comm_stream
+from .comm import broadcast_ids, comm_stream
 from .health import agree, fingerprint
 from .splits import Split
 from .watchdog import watch
@@ -92,21 +93,25 @@ def rank_share(
         stages = Stages.split(layer_costs, group, split, cfg.tie_word_embeddings)  # checks ``split`` for 1 rank too
         layers = stages.layers
         where += f", layers {layers.start}-{layers.stop - 1}"
-        return None if group.size() == 1 else Share(stages.select, _labelled(stages.apply, where))
+        return None if group.size() == 1 else Share(stages.select, _labelled(stages.apply, where, group))
     if group.size() == 1:
         return None
     from .shard import tensor_parallel, tensor_select
 
-    return Share(tensor_select(cfg, group), _labelled(lambda model: tensor_parallel(model, group), where))
+    return Share(tensor_select(cfg, group), _labelled(lambda model: tensor_parallel(model, group), where, group))
 
 
-def _labelled(apply: Callable[[nn.Module], nn.Module], where: str) -> Callable[[nn.Module], nn.Module]:
+def _labelled(apply: Callable[[nn.Module], nn.Module], where: str, group: mx.distributed.Group
+              ) -> Callable[[nn.Module], nn.Module]:
     """``apply``, then ``model.shard = where`` (e.g. "pipeline rank 1 of 2, layers 14-26"): what a prompt-cache file
-    of this rank's part records, so another rank's file is refused."""
+    of this rank's part records, so another rank's file is refused; and ``model.rank0_ids``: ids -> rank 0's ids
+    on every rank (``comm.broadcast_ids`` over the model's group), which speculative decoding uses to keep the ranks'
+    decisions identical."""
 
     def labelled(model: nn.Module) -> nn.Module:
         model = apply(model)
         model.shard = where
+        model.rank0_ids = functools.partial(broadcast_ids, group=group)
         return model
 
     return labelled

@@ -95,3 +95,13 @@ def broadcast_text(text: Optional[str], group: mx.distributed.Group) -> Optional
     mine = np.frombuffer(data, np.uint8).astype(np.int32) if group.rank() == 0 else np.zeros(n, np.int32)
     out = np.array(all_sum(mx.array(mine), group))
     return out.astype(np.uint8).tobytes().decode("utf-8")
+
+
+def broadcast_ids(ids: list[int], group: mx.distributed.Group) -> list[int]:
+    """Rank 0's ``ids`` (a list of ints, any length) on every rank: its length, then the ids, each as an ``all_sum``
+    to which the other ranks add zeros. Every rank must call it (the others' ``ids`` are ignored)."""
+    n = broadcast_int(len(ids), group)
+    if n == 0:
+        return []
+    mine = mx.array(ids, dtype=mx.int64) if group.rank() == 0 else mx.zeros((n,), mx.int64)
+    return [int(v) for v in all_sum(mine, group).tolist()]

@@ -7,7 +7,8 @@ answering ``tool_use_id``, ``image`` blocks (user messages; ``base64`` sources, 
 ``--allow-image-urls``) -> image parts (``kimi_mlx.server.images``; ``input_tokens`` counts their placeholders).
 Replies come back as ``thinking`` (K3 reasoning), ``text`` and ``tool_use`` blocks; ``stop_reason`` is
 ``end_turn``, ``max_tokens``, ``stop_sequence`` or ``tool_use``; ``usage.input_tokens`` counts the prompt tokens not
-read from the prefix cache, ``cache_read_input_tokens`` those that were.
+read from the prefix cache, ``cache_read_input_tokens`` those that were. Speculative decoding applies as on the
+other routes (``"speculative": false``, a kimi-mlx field, turns it off); Anthropic's usage has no field for drafts.
 
 Streaming sends the documented events: ``message_start``, then per block ``content_block_start``,
 ``content_block_delta`` (``thinking_delta`` / ``text_delta`` / ``input_json_delta``), ``content_block_stop``,
@@ -145,8 +146,8 @@ async def messages(request: Request):
     budget = reasoning_budget(backend, prompt, req.thinking.budget_tokens if req.thinking else None)
     text = ReplyStream(backend.tokenizer, backend.chat_format, prompt.thinking, req.stop_sequences,
                        stop_ids(backend))
-    gen = Generation(submit(backend, prompt, max_tokens, sampling, None, budget), text, "POST /v1/messages",
-                     len(prompt.tokens))
+    gen = Generation(submit(backend, prompt, max_tokens, sampling, None, budget, speculative=req.speculative), text,
+                     "POST /v1/messages", len(prompt.tokens))
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     if req.stream:
         return sse_response(_events(gen, state.model_id, msg_id, state.keepalive_s), gen.stream)

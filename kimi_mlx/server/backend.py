@@ -251,12 +251,17 @@ def stop_ids(backend: Backend) -> frozenset:
 
 
 def submit(backend: Backend, prompt: Prompt, max_tokens: int, sampling: SamplingParams,
-           top_logprobs: Optional[int], reasoning: Optional[ReasoningBudget] = None) -> RequestStream:
-    """Queue the generation (stopping on ``stop_ids``); a full queue is a 429 with ``Retry-After``."""
+           top_logprobs: Optional[int], reasoning: Optional[ReasoningBudget] = None, prediction: Optional[str] = None,
+           speculative: Optional[bool] = None) -> RequestStream:
+    """Queue the generation (stopping on ``stop_ids``); a full queue is a 429 with ``Retry-After``.
+    ``prediction``: text the reply is expected to repeat (drafts are looked up there too); ``speculative`` False:
+    no speculative decoding for this request."""
     request = GenerationRequest(
         tokens=list(prompt.tokens), max_tokens=max_tokens, sampling=sampling,
         stop_token_ids=stop_ids(backend), top_logprobs=top_logprobs,
         boundaries=prompt.boundaries, system_end=prompt.system_end, reasoning=reasoning, images=prompt.images,
+        prediction=tuple(backend.tokenizer.encode(prediction, add_special_tokens=False)) if prediction else (),
+        speculative=speculative is not False,
     )
     try:
         return backend.scheduler.submit(request)

@@ -55,6 +55,12 @@ class Generation:
         return self.stream.cached_tokens
 
     @property
+    def drafts(self) -> tuple[int, int]:
+        """``(drafted, accepted)``: draft tokens verified for this reply and those of them in it (0, 0 without
+        speculation or before the end)."""
+        return (self.finish.drafted, self.finish.accepted) if self.finish is not None else (0, 0)
+
+    @property
     def stop_string(self) -> Optional[str]:
         return self.reply.stop_string
 
@@ -99,6 +105,8 @@ class Generation:
         rate = (self.completion_tokens - 1) / decode_s if self.completion_tokens > 1 and decode_s > 0 else 0.0
         reason = self.reason if self.finish is not None or self.stop_string else "client disconnected"
         error = f" ({self.finish.error})" if self.finish is not None and self.finish.error else ""
+        drafted, accepted = self.drafts
+        spec = f" | drafts {accepted}/{drafted} accepted ({accepted / drafted:.0%})" if drafted else ""
         log.info(f"{self.route} | prompt {self.prompt_tokens} tok, {self.cached_tokens} cached, first token "
-                 f"{first - self._tic:.2f} s | generated {self.completion_tokens} tok, {rate:.1f} tok/s | "
+                 f"{first - self._tic:.2f} s | generated {self.completion_tokens} tok, {rate:.1f} tok/s{spec} | "
                  f"{reason}{error}")

@@ -10,7 +10,9 @@ low, ``medium``/``high`` -> high, ``xhigh``/``max`` -> max: K3 knows low, high a
 reported within [``LOGPROB_FLOOR``, 0] (JSON has no -Infinity or NaN). Images: ``image_url`` parts of user messages
 (``data:`` URLs; ``http(s)`` with ``--allow-image-urls``; ``detail`` is accepted and ignored), read and prepared by
 ``kimi_mlx.server.images``; ``usage.prompt_tokens`` counts their placeholder tokens (``cached_tokens`` those the
-prefix cache supplied; ``prompt_tokens_details.image_tokens`` all of them). The Responses API
+prefix cache supplied; ``prompt_tokens_details.image_tokens`` all of them). Speculative decoding: Predicted
+Outputs (``prediction``: drafts are looked up in its text too; ``usage.completion_tokens_details`` counts accepted
+and rejected draft tokens) and the extension field ``speculative`` (false: off for this request). The Responses API
 (``responses_routes``) shares ``effort_thinking``, ``renderer_format``, ``collect`` and ``check_finish``.
 """
 
@@ -57,13 +59,21 @@ class _Reply:
 
 def _usage(gen: Generation) -> dict:
     """Token counts; ``prompt_tokens`` includes the images' placeholders, ``prompt_tokens_details.image_tokens``
-    (requests with images) counts them."""
+    (requests with images) counts them. A request that had a prediction or speculated gets
+    ``completion_tokens_details`` with OpenAI's ``accepted_prediction_tokens`` (draft tokens in the reply) and
+    ``rejected_prediction_tokens`` (draft tokens verified and rejected): drafts from the prediction, the prompt, the
+    reply or a draft model alike."""
     details = {"cached_tokens": gen.cached_tokens}
     images = gen.stream.request.images
     if images:
         details["image_tokens"] = sum(im.num_tokens for im in images)
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens, "prompt_tokens_details": details}
+    usage = {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+             "total_tokens": gen.prompt_tokens + gen.completion_tokens, "prompt_tokens_details": details}
+    drafted, accepted = gen.drafts
+    if drafted or gen.stream.request.prediction:
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                              "rejected_prediction_tokens": drafted - accepted}
+    return usage
 
 
 def check_finish(gen: Generation) -> None:
@@ -210,8 +220,9 @@ async def chat_completions(request: Request):
     top = (req.top_logprobs or 0) if req.logprobs else None
     sampling = sampling_params(backend, req.sampling_fields())
     text = ReplyStream(backend.tokenizer, backend.chat_format, prompt.thinking, req.stop, stop_ids(backend))
-    gen = Generation(submit(backend, prompt, max_tokens, sampling, top), text, "POST /v1/chat/completions",
-                     len(prompt.tokens))
+    prediction = req.prediction.content if req.prediction is not None else None
+    gen = Generation(submit(backend, prompt, max_tokens, sampling, top, prediction=prediction,
+                            speculative=req.speculative), text, "POST /v1/chat/completions", len(prompt.tokens))
     reply = _Reply("chat", state.model_id)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
@@ -304,8 +315,8 @@ async def completions(request: Request):
     max_tokens = reply_budget(backend, len(tokens), req.max_tokens, "max_tokens", "prompt")
     sampling = sampling_params(backend, req.sampling_fields())
     text = TextStream(backend.tokenizer, req.stop, stop_ids(backend))
-    gen = Generation(submit(backend, Prompt(tokens), max_tokens, sampling, req.logprobs), text,
-                     "POST /v1/completions", len(tokens))
+    gen = Generation(submit(backend, Prompt(tokens), max_tokens, sampling, req.logprobs, speculative=req.speculative),
+                     text, "POST /v1/completions", len(tokens))
     reply = _Reply("completion", state.model_id)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage

@@ -33,7 +33,8 @@ async def _index() -> FileResponse:
 
 
 # GET /v1/status: the model (id, chat format, Kimi-K3 or not, images, context limit, weights), the server's defaults,
-# memory, the scheduler's stats (running / prefilling / queued, prefix cache, images encoded) and the ranks.
+# memory, the scheduler's stats (running / prefilling / queued, prefix cache, images encoded, speculation) and the
+# ranks.
 @router.get("/v1/status")
 async def status(request: Request):
     state = request.app.state.server

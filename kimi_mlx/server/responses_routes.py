@@ -15,6 +15,8 @@ Output items: ``reasoning`` (K3's reasoning as ``reasoning_text`` content; no su
 is ``completed``, or ``incomplete`` with ``incomplete_details.reason`` ``max_output_tokens``. Usage:
 ``input_tokens`` (images' placeholders included), ``input_tokens_details.cached_tokens`` (supplied by the prefix
 cache), ``output_tokens``, ``output_tokens_details.reasoning_tokens`` (tokens whose text went to the reasoning).
+Speculative decoding applies as on Chat Completions (``"speculative": false``, a kimi-mlx field, turns it off); the
+Responses usage has no field for drafts.
 
 Streaming sends the documented events, each with a ``sequence_number`` from 0: ``response.created``,
 ``response.in_progress``; per item ``response.output_item.added``, for reasoning and messages
@@ -317,8 +319,8 @@ async def create_response(request: Request):
     max_tokens = reply_budget(backend, len(prompt.tokens), req.max_output_tokens, "max_output_tokens", "input")
     sampling = sampling_params(backend, {"temp": req.temperature, "top_p": req.top_p})
     text = ReplyStream(backend.tokenizer, backend.chat_format, prompt.thinking, [], stop_ids(backend))
-    gen = Generation(submit(backend, prompt, max_tokens, sampling, None), text, "POST /v1/responses",
-                     len(prompt.tokens))
+    gen = Generation(submit(backend, prompt, max_tokens, sampling, None, speculative=req.speculative), text,
+                     "POST /v1/responses", len(prompt.tokens))
     turn = _Turn(req, items, state.model_id, _store(request))
     if req.stream:
         return sse_response(_events(turn, gen, state.keepalive_s), gen.stream)

@@ -9,11 +9,26 @@ One engine thread owns the model and the caches. Each loop turn it
    left-padded to a common length); its last prompt token is its first decode input;
 4. runs one decode step for the whole batch ``[B, 1]`` and samples each row with its own settings
    (``RowSampler``), except rows whose reasoning budget ran out (``ReasoningBudget``), which are given the tokens
-   that close the section, one per step; finished and cancelled rows leave (``HybridCache.filter``), a finished
-   row's cache becomes a "reply" snapshot, so the next turn of the conversation starts from it.
+   that close the section, one per step; or, when the batch can speculate (below), one speculative pass;
+5. finished and cancelled rows leave (``HybridCache.filter``), a finished row's cache becomes a "reply" snapshot,
+   so the next turn of the conversation starts from it.
 
 So running streams keep flowing while new prompts prefill in chunks. The scheduler deals in token ids only; text,
 stop strings and chat formats belong to the HTTP layer.
+
+Speculation (``draft``: "lookup" or a draft model; or a request's ``prediction``): a decode turn is one speculative
+pass (``kimi_mlx.speculative.verify_step``: the row's last token and up to k drafts verified in one forward pass,
+accepted by the row's own sampling rule and logits processors, the rejected suffix rolled back) when the batch has
+at most ``draft_max_batch`` rows and each of them can speculate: it asked for it (``GenerationRequest.speculative``,
+and the server has a drafter or the request a prediction) and is not being given its reasoning section's closer.
+Any other turn is the plain batched step. Each row keeps its drafter (lookup: over its prompt, its reply and its
+prediction; a draft model: its own cache, which the drafter brings to the row's history when speculation resumes)
+and its adaptive length (``DraftLength``), so rows join and leave as without speculation. A pass's tokens are cut at
+the first stop token (the cache keeps what was emitted, so the reply snapshot is exact); the draft length is capped
+by ``max_tokens`` and by what the reasoning budget allows. ``draft_max_batch`` is 1: decoding one row is bound by
+reading the weights, so verifying k more tokens costs little; with more rows the batch already shares the weight
+reads, and a verify pass over several rows would need a per-row rollback of the batch cache (the rows' accepted
+lengths differ), which is not built.
 
 Images: a request's prompt holds each image's placeholders and ``images`` its ``PromptImage``s (prepared, i.e.
 decoded and preprocessed, by the caller). A prefill chunk that overlaps placeholders goes in as embeddings with the
@@ -24,7 +39,9 @@ by its image's content id), so two different images never share an entry and the
 Distributed (``group`` of a ``--parallel`` model): every rank runs the engine loop in lockstep; only rank 0 takes
 requests. Each turn starts with rank 0's plan (``_Plan``: requests admitted with their resolved seed and the prefix
 snapshot to start from, requests cancelled, snapshots evicted), broadcast as JSON; every decision that could differ
-between ranks is rank 0's, and the sampled tokens are rank 0's too (broadcast every step).
+between ranks is rank 0's, and the sampled tokens are rank 0's too (broadcast every step). A speculative turn is
+decided from state every rank shares; its drafts are rank 0's (only rank 0 runs drafters; broadcast), and so are
+the accepted count and tokens (broadcast after the pass), so every rank rolls back the same suffix.
 """
 
 from __future__ import annotations
@@ -44,6 +61,7 @@ from ..cache import HybridCache, cache_from_snapshot, check_kv_quant, merge_cach
 from ..image_prompt import ImageRows, PromptImage
 from ..parallel import comm
 from ..sampling import SamplingParams
+from ..speculative import DraftLength, DraftModel, PromptLookup, TargetSampling, propose_drafts, rollback, verify_step
 from .prefix_cache import PrefixCache
 from .sampling import RowSampler, top_logprobs
 
@@ -69,8 +87,10 @@ class GenerationRequest:
     after one of them (it is reported). top_logprobs: None none, 0 the chosen token's, k also the k most likely.
     boundaries: prompt positions that end a message (snapshot points); system_end: end of the system prompt and
     tool declarations (a snapshot shared across conversations), 0 for none. reasoning: the reply's reasoning
-    budget (rank 0's tokens are every rank's, so only rank 0 keeps it). images: the ``PromptImage``s whose
-    placeholders ``tokens`` holds, in prompt order. ``sampling.sampler`` is refused: each row draws with its own key
+    budget (every rank follows it: whether a turn speculates depends on it). images: the ``PromptImage``s whose
+    placeholders ``tokens`` holds, in prompt order. prediction: ids the reply is expected to repeat (a draft source:
+    the request speculates with prompt lookup over its prompt, reply and prediction); speculative: False turns
+    speculation off for this request. ``sampling.sampler`` is refused: each row draws with its own key
     (``RowSampler``)."""
 
     tokens: list[int]
@@ -82,6 +102,8 @@ class GenerationRequest:
     system_end: int = 0
     reasoning: Optional[ReasoningBudget] = None
     images: tuple = ()
+    prediction: tuple = ()
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.sampling.sampler is not None:
@@ -97,13 +119,16 @@ class TokenEvent:
 
 @dataclass
 class FinishEvent:
-    """reason: "stop" (the last token was a stop token), "length", "cancelled" or "error" (``error`` says what)."""
+    """reason: "stop" (the last token was a stop token), "length", "cancelled" or "error" (``error`` says what).
+    drafted / accepted: draft tokens verified for this request, and those of them in the reply."""
 
     reason: str
     prompt_tokens: int
     cached_tokens: int
     generated_tokens: int
     error: Optional[str] = None
+    drafted: int = 0
+    accepted: int = 0
 
 
 Event = Union[TokenEvent, FinishEvent]
@@ -183,13 +208,27 @@ def _request_to_json(req: GenerationRequest) -> dict:
     d["stop_token_ids"] = sorted(req.stop_token_ids)
     d["sampling"] = req.sampling.to_json()
     d["images"] = [im.to_json() for im in req.images]
+    d["speculates"] = req.speculative and bool(req.prediction)  # with a prediction: speculates without --draft
+    d["speculative"] = req.speculative
+    budget = req.reasoning
+    d["reasoning"] = None if budget is None else [budget.tokens, list(budget.close), sorted(budget.ends)]
     return d
 
 
 def _request_from_json(d: dict) -> GenerationRequest:
+    """A rank's copy of rank 0's request; its ``prediction`` is a stand-in (only rank 0 drafts): it says whether
+    the request speculates."""
     return GenerationRequest(d["tokens"], d["max_tokens"], SamplingParams.from_json(d["sampling"]),
                              frozenset(d["stop_token_ids"]), d["top_logprobs"], tuple(d["boundaries"]), d["system_end"],
-                             images=tuple(PromptImage.from_json(im) for im in d["images"]))
+                             reasoning=ReasoningBudget(d["reasoning"][0], tuple(d["reasoning"][1]),
+                                                       frozenset(d["reasoning"][2])) if d["reasoning"] else None,
+                             images=tuple(PromptImage.from_json(im) for im in d["images"]),
+                             prediction=(0,) if d["speculates"] else (), speculative=d["speculative"])
+
+
+def _target(params: SamplingParams) -> Optional[TargetSampling]:
+    """The distribution a request samples from (None: greedy)."""
+    return TargetSampling(params.temp, params.top_p, params.min_p, params.top_k) if params.temp > 0 else None
 
 
 def _cache_key(rows: Optional[ImageRows], tokens: list[int]) -> list[int]:
@@ -214,7 +253,8 @@ class _Plan:
 @dataclass
 class _Row:
     """A request inside the engine: its stream, its one-row cache while prefilling, its sampler, where it is in its
-    reasoning budget, its images' placeholders (``rows``) and its prompt as a prefix-cache key (``key``)."""
+    reasoning budget, its images' placeholders (``rows``), its prompt as a prefix-cache key (``key``) and, when it
+    speculates, its draft length (every rank), its drafter (rank 0) and its counts of drafted / accepted tokens."""
 
     id: int
     stream: RequestStream
@@ -229,6 +269,18 @@ class _Row:
     cancelled: bool = False  # decided in a plan (the stream's flag is set from any thread, at any time)
     reasoning_left: Optional[int] = None  # reasoning tokens the budget still allows (None: no budget, or done)
     forced: list = field(default_factory=list)  # the next tokens, given instead of sampled
+    length: Optional[DraftLength] = None  # None: this row does not speculate
+    drafter: Optional[object] = None  # a Drafter (rank 0 only)
+    drafted: int = 0
+    accepted: int = 0
+
+    def draft_limit(self) -> int:
+        """Most drafts the next pass may verify: the adaptive length, capped so that the pass's tokens (drafts + 1)
+        fit ``max_tokens`` and, inside a reasoning budget, end by the last reasoning token it allows."""
+        k = min(self.length.next_length(), self.request.max_tokens - len(self.generated) - 1)
+        if self.reasoning_left is not None:
+            k = min(k, self.reasoning_left - 1)
+        return max(k, 0)
 
     @property
     def request(self) -> GenerationRequest:
@@ -256,13 +308,24 @@ class Scheduler:
     cache's byte budget (0 disables it); prefill_chunk: prompt tokens prefilled per loop turn; checkpoint_interval:
     snapshot spacing inside long prompts (0: only at message boundaries); group: the model's distributed group;
     kv_bits / kv_group_size: every row's MLA latent cache is quantized (so are its snapshots and merged batches).
+    draft: None (speculation only for requests with a prediction), "lookup" or a draft model (a Kimi model sharing
+    the tokenizer; ``kimi_mlx.speculative.DraftModel`` per row); num_draft_tokens: the most drafts per pass;
+    draft_max_batch: speculate while the batch has at most this many rows (1: see the module doc).
     """
 
     def __init__(self, model, *, max_batch: int = 16, max_queue: int = 64, prompt_cache_bytes: int = 2 << 30,
                  prefill_chunk: int = 512, checkpoint_interval: int = 4096,
-                 group: Optional[mx.distributed.Group] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64):
+                 group: Optional[mx.distributed.Group] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
+                 draft=None, num_draft_tokens: int = 8, draft_max_batch: int = 1):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or checkpoint_interval < 0:
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue and checkpoint_interval >= 0")
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if draft_max_batch != 1:
+            raise ValueError(f"draft_max_batch {draft_max_batch}: only 1 is supported (a verify pass over several "
+                             "rows needs a per-row rollback of the batch cache, which is not built)")
+        if isinstance(draft, str) and draft != "lookup":
+            raise ValueError(f"draft must be None, 'lookup' or a draft model, got {draft!r}")
         check_kv_quant(kv_bits, kv_group_size)
         # every row's cache (quantized from the start); none: the model's plain make_cache()
         self.kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size} if kv_bits is not None else {}
@@ -271,6 +334,8 @@ class Scheduler:
         self.prefill_chunk, self.checkpoint_interval = prefill_chunk, checkpoint_interval
         self.group = group if group is not None and group.size() > 1 else None
         self.leader = self.group is None or self.group.rank() == 0
+        self.draft, self.num_draft_tokens, self.draft_max_batch = draft, num_draft_tokens, draft_max_batch
+        self._drafted = self._accepted = self._passes = 0
         self.prefix_cache = None
         if prompt_cache_bytes > 0:  # the other ranks drop what rank 0 evicts, when it says so
             self.prefix_cache = PrefixCache(prompt_cache_bytes if self.leader else None)
@@ -333,13 +398,17 @@ class Scheduler:
 
     @property
     def stats(self) -> dict:
-        """Rows running / prefilling / queued, requests finished, the prefix cache's stats and ``images_encoded``
-        (vision tower runs; None without a tower)."""
+        """Rows running / prefilling / queued, requests finished, the prefix cache's stats, ``images_encoded``
+        (vision tower runs; None without a tower) and ``speculation``: the server's drafter (None, "lookup",
+        "model"), speculative passes run, draft tokens verified and accepted (all requests so far)."""
         encoder = getattr(self.model, "image_encoder", None)
+        drafter = self.draft if self.draft is None or isinstance(self.draft, str) else "model"
         return {"running": len(self._running), "prefilling": len(self._waiting), "queued": len(self._inbox),
                 "finished": self._finished,
                 "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None,
-                "images_encoded": encoder.encoded if encoder is not None else None}
+                "images_encoded": encoder.encoded if encoder is not None else None,
+                "speculation": {"draft": drafter, "passes": self._passes, "drafted": self._drafted,
+                                "accepted": self._accepted}}
 
     def _image_rows(self, req: GenerationRequest) -> Optional[ImageRows]:
         """``req``'s placeholders lined up with its images; None for a model without a vision tower (which takes
@@ -438,6 +507,9 @@ class Scheduler:
         row = _Row(rid, stream, RowSampler(req.sampling, prompt), rows, _cache_key(rows, prompt))
         if req.reasoning is not None:
             row.reasoning_left = req.reasoning.tokens
+        if self._speculates(req):
+            row.length = DraftLength(self.num_draft_tokens)
+            row.drafter = self._drafter(row) if self.leader else None
         if entry_id is not None:
             entry = self.prefix_cache.get(entry_id)
             row.cache, row.done = cache_from_snapshot(entry.snapshot), entry.length
@@ -454,6 +526,23 @@ class Scheduler:
         row.stops = {p: k for p, k in stops.items() if row.done < p < len(prompt)}
         row.next_input = prompt[-1]
         return row
+
+    def _speculates(self, req: GenerationRequest) -> bool:
+        """Whether ``req`` speculates: it did not turn it off, and it has a prediction or the server a drafter (a
+        draft model only for prompts without images: it has no vision tower)."""
+        if not req.speculative:
+            return False
+        return bool(req.prediction) or self.draft == "lookup" or (self.draft is not None and not req.images)
+
+    def _drafter(self, row: _Row):
+        """A new row's drafter: prompt lookup (also over its prediction), else a ``DraftModel`` of the server's
+        following the row's sampling and logits processors (its cache is the row's own)."""
+        req = row.request
+        if req.prediction or self.draft == "lookup":
+            return PromptLookup(max_draft=self.num_draft_tokens, reference=req.prediction, reference_at=len(req.tokens))
+        drafter = DraftModel(self.draft, **self.kv)
+        drafter.prepare(self.model, _target(req.sampling), row.sampler.processors)
+        return drafter
 
     def _snapshot(self, tokens: list[int], cache: HybridCache, row: int, kind: str) -> None:
         if self.prefix_cache is not None:
@@ -499,10 +588,19 @@ class Scheduler:
         mx.eval([c.state for c in row.cache])
 
     def _decode(self) -> None:
-        """One decode step for every running row; emits a token per row, retires the finished ones."""
+        """One decode step for every running row (or one speculative pass, when the batch can speculate); emits
+        each row's tokens, retires the finished rows."""
         self._retire([r for r in self._running if r.cancelled], "cancelled")
         if not self._running:
             return
+        if len(self._running) <= self.draft_max_batch and all(r.length is not None and not r.forced
+                                                               for r in self._running):
+            self._speculate(self._running[0])  # draft_max_batch is 1
+        else:
+            self._step()
+
+    def _step(self) -> None:
+        """The plain batched decode step: one token per running row."""
         inputs = mx.array([[r.next_input] for r in self._running])
         logits = self.model(inputs, cache=self._batch)[:, -1]
         tokens, lps = self._sample(logits)
@@ -516,18 +614,68 @@ class Scheduler:
         mx.eval(tokens)
         done = {"stop": [], "length": []}
         for row, token, lp in zip(self._running, tokens.tolist(), lps):
-            row.sampler.record(token)
-            row.follow_budget(token)
-            row.generated.append(token)
-            row.next_input = token
-            if self.leader:
-                row.stream._put(self._token_event(row, token, lp))
-            if token in row.request.stop_token_ids:
-                done["stop"].append(row)
-            elif len(row.generated) >= row.request.max_tokens:
-                done["length"].append(row)
+            reason = self._emit(row, token, lp)
+            if reason is not None:
+                done[reason].append(row)
         for reason, rows in done.items():
             self._retire(rows, reason)
+
+    def _speculate(self, row: _Row) -> None:
+        """One speculative pass for the batch's only row: rank 0's drafts verified in one forward pass, rank 0's
+        accepted tokens emitted up to the first stop token, the cache rolled back to what was emitted."""
+        drafts, q = self._drafts(row)
+        target, key = _target(row.sampler.params), None
+        if target is not None:
+            row.sampler.key, key = mx.random.split(row.sampler.key)
+        tokens, n, logprobs = verify_step(self.model, self._batch, row.sampler.history, drafts, draft_probs=q,
+                                          processors=row.sampler.processors, target=target, key=key)
+        n, *tokens = self._share_ints([n, *tokens])
+        stop = next((i for i, t in enumerate(tokens) if t in row.request.stop_token_ids), len(tokens) - 1)
+        kept = min(n, stop)  # drafts emitted (a stop token ends the run: what follows it is dropped)
+        rollback(self.model, self._batch, row.next_input, drafts, kept)
+        row.length.observe(n, len(drafts))
+        if row.drafter is not None:
+            row.drafter.observe(n, len(drafts))
+        row.drafted, row.accepted = row.drafted + len(drafts), row.accepted + kept
+        self._passes += bool(drafts)
+        self._drafted, self._accepted = self._drafted + len(drafts), self._accepted + kept
+        for i, token in enumerate(tokens[: kept + 1]):
+            reason = self._emit(row, token, logprobs[i])
+            if reason is not None:
+                self._retire([row], reason)
+                return
+
+    def _drafts(self, row: _Row) -> tuple[list[int], Optional[mx.array]]:
+        """Rank 0's drafts for ``row``'s next pass on every rank (none while its length is 0, which every rank
+        knows), and their q ([k, vocab] on rank 0 for a sampling draft model, else None)."""
+        k = row.draft_limit()
+        if k == 0:
+            return [], None
+        drafts, q = [], None
+        if self.leader:
+            drafts, q = propose_drafts(row.drafter, row.request.tokens + row.generated, k, self.model.args.vocab_size)
+        return self._share_ints(drafts), q
+
+    def _share_ints(self, values: list[int]) -> list[int]:
+        """Rank 0's ``values`` on every rank (as they are without a group)."""
+        if self.group is None:
+            return values
+        return comm.broadcast_ids(values, self.group)
+
+    def _emit(self, row: _Row, token: int, lp: mx.array) -> Optional[str]:
+        """Append ``token`` (log-probabilities ``lp`` [vocab]) to ``row``'s reply and send its event; returns why
+        the row is done ("stop", "length") or None."""
+        row.sampler.record(token)
+        row.follow_budget(token)
+        row.generated.append(token)
+        row.next_input = token
+        if self.leader:
+            row.stream._put(self._token_event(row, token, lp))
+        if token in row.request.stop_token_ids:
+            return "stop"
+        if len(row.generated) >= row.request.max_tokens:
+            return "length"
+        return None
 
     def _sample(self, logits: mx.array) -> tuple[mx.array, list[mx.array]]:
         """(token ids [B] int32, each row's log-probabilities [vocab]) from the step's logits [B, vocab] (lazy).
@@ -578,7 +726,8 @@ class Scheduler:
 
     def _finish(self, row: _Row, reason: str, error: Optional[str] = None) -> None:
         req = row.request
-        row.stream._put(FinishEvent(reason, len(req.tokens), row.stream.cached_tokens, len(row.generated), error))
+        row.stream._put(FinishEvent(reason, len(req.tokens), row.stream.cached_tokens, len(row.generated), error,
+                                    row.drafted, row.accepted))
         self._finished += 1
         self._durations.append(time.perf_counter() - row.stream.submitted)
 

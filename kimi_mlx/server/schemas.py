@@ -285,8 +285,32 @@ class Tool(_Body):
     function: FunctionDef
 
 
+def speculative_field():
+    """The ``speculative`` extension field of the generating requests."""
+    return Field(None, description="kimi-mlx: false turns speculative decoding off for this request (default: on "
+                                   "where the server speculates)")
+
+
 class StreamOptions(_Body):
     include_usage: Optional[bool] = None
+
+
+class Prediction(_Body):
+    """OpenAI's Predicted Outputs: text the reply is expected to repeat (speculative decoding drafts from it)."""
+
+    type: Literal["content"]
+    content: _shape({"anyOf": [_STR, _TEXT_PARTS]})
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        """The prediction's text (text parts joined)."""
+        if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in v):
+            if all(isinstance(p.get("text"), str) for p in v):
+                return "".join(p["text"] for p in v)
+        if isinstance(v, str):
+            return v
+        raise ValueError("must be a string or a list of {\"type\": \"text\", \"text\": string} parts")
 
 
 class _Sampling(_Body):
@@ -310,6 +334,7 @@ class _Sampling(_Body):
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[integer(ge=1)] = None
+    speculative: Optional[bool] = speculative_field()
 
     @field_validator("stop")
     @classmethod
@@ -380,6 +405,7 @@ class ChatCompletionRequest(_Sampling):
                                            function=_object(("name",), name=_STR)), _NULL]}) = None
     response_format: Optional[ResponseFormat] = None
     reasoning_effort: Optional[Literal[REASONING_EFFORTS]] = None
+    prediction: Optional[Prediction] = None
     chat_template_kwargs: Optional[Annotated[dict, WithJsonSchema({
         **_object(thinking={"type": "boolean"}, enable_thinking={"type": "boolean"}, thinking_effort=_STR),
         "additionalProperties": False})]] = None
@@ -600,6 +626,7 @@ class ResponsesRequest(_Body):
     background: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     parallel_tool_calls: Optional[bool] = None
+    speculative: Optional[bool] = speculative_field()
 
     @field_validator("input")
     @classmethod
@@ -735,6 +762,7 @@ class MessagesRequest(_AnthropicPrompt):
     temperature: Optional[float] = Field(None, ge=0, le=1)
     top_p: Optional[float] = Field(None, ge=0, le=1)
     top_k: Optional[integer(ge=0)] = Field(None, description="0: off; at or above the vocabulary size: every token")
+    speculative: Optional[bool] = speculative_field()
 
     @field_validator("stop_sequences")
     @classmethod

@@ -26,9 +26,10 @@ One job per module, on floor 1 beside ``generate`` (it imports ``cache`` and ``s
   (off while the expected tokens per pass at the measured acceptance do not pay for the pass; exponential back-off
   between probes).
 - ``loop``: ``speculative_steps`` (batch of one): prefill, then draft / verify / accept / roll back / adapt, yielding
-  ``(token, logprobs, Speculation)``; it calls a drafter's ``prepare`` first and passes its ``draft_probs`` as q;
-  while speculation is off it runs plain decode steps pipelined as mlx-lm's ``generate_step`` (the next forward
-  built before the current token is read).
+  ``(token, logprobs, Speculation)``; it calls a drafter's ``prepare`` first and passes its ``draft_probs`` as q
+  (``propose_drafts``). Its pass, ``verify_step`` (verify + processors + acceptance, before the rollback), is also
+  the server engine's speculative turn (``kimi_mlx.server.scheduler``). While speculation is off it runs plain
+  decode steps pipelined as mlx-lm's ``generate_step`` (the next forward built before the current token is read).
 
 Surface so far: ``stream_generate(..., draft="lookup" | a loaded Kimi model | a Drafter, num_draft_tokens=k)``
 (``draft_model=``: mlx-lm's name for ``draft=<model>``, an error with ``draft=``; and ``generate``, which passes
@@ -40,6 +41,15 @@ processors (penalties, ``logit_bias``) are applied per verified position on the 
 Refused: a custom ``sampler=`` (its distribution is unknown), ``images=`` (the verify pass and the drafters take
 token ids; a draft model's vision tower is dropped by ``load_draft`` and never used), a draft model of another
 vocabulary size.
+
+``ChatSession(..., draft=, num_draft_tokens=)`` speculates every turn: its drafter is asked with the whole
+conversation (``InContext``: the cache's tokens, then the turn's), and its cache and checkpoints end each turn as
+without speculation (the verify pass's checkpoint is transient: ``HybridCache.checkpoint(transient=True)``, so it
+never releases one of the caller's). ``kimi-mlx generate|chat|bench --draft lookup|PATH --num-draft-tokens K``
+(``cli/flags.py``). Distributed (``parallel=``): every rank runs the loop in lockstep, and ``speculative_steps``'s
+``rank0`` (a parallel model's ``rank0_ids``: a broadcast from rank 0) makes every rank verify rank 0's drafts and
+keep rank 0's outcome, so drafts, accepted counts, tokens and draft lengths are the same on every rank even where
+drafters (a draft model on ranks of different hardware) or draws could differ.
 
 Guarantees and their tests (tests/test_speculative.py; planted bugs in tests/planted_bugs.py):
 
@@ -66,7 +76,7 @@ Draft models (tests/test_speculative_draft_model.py):
   diverge; after a verify-like outcome only the new tokens are fed (the rejected drafts are not re-fed); its drafts
   equal a fresh draft model's on the same history;
 - sampled: ``draft_probs`` equals numpy's distribution of the draft model's fresh logits under the target's options;
-  one verify pass of 2 drafts from a perturbed draft model, 500 seeded draws: first token ~ p_0 and second (after the
+  one verify pass of 2 drafts from a perturbed draft model, 400 seeded draws: first token ~ p_0 and second (after the
   likeliest accepted first draft) ~ p_1, chi-square at 1e-4 each; the target as its own sampled draft has >= 95% of
   its drafts accepted (a one-hot q would accept almost none); seeded runs reproduce.
 
@@ -110,11 +120,8 @@ Not done (for the next session):
 - a cheap small-T verify path: MLA absorbed attention for T = 2..17 (``ops/mla_attention.py`` takes ``fused``, expanded
   for T > 1, while the cache fits one key block), the compiled KDA core for small T; then the cost curve on a Mac, and the per-step
   KDA states option if re-feeds show up there;
-- surfaces: ``ChatSession`` (its checkpoints survive: ``rollback`` releases the pass's own checkpoint, but taking it
-  counts against ``max_checkpoints``), ``kimi-mlx generate|chat --draft``, ``serve --draft`` (batch of one per
-  request; continuous batching needs per-row accepted counts, i.e. ragged rollback of a batched cache),
-  distributed pipeline / tensor runs (the verify pass is a forward; rollback must run on every rank), ``usage`` in
-  the server, ``bench --draft``;
+- surfaces: ``serve --draft`` (batch of one per request; continuous batching needs per-row accepted counts, i.e.
+  ragged rollback of a batched cache), ``usage`` in the server;
 - ``stream_generate`` with ``draft=`` runs its own prefill (no image prefill); drafting passes sync once per pass
   (the stretches with speculation off run pipelined);
 - the adaptive length's cost model has no term for a draft model's own cost per drafted token.
@@ -123,12 +130,12 @@ Not done (for the next session):
 from .accept import TargetSampling, accept_greedy, accept_sampled
 from .adaptive import DraftLength
 from .draft_model import DraftModel, check_draft_vocab
-from .drafts import Drafter, PromptLookup, make_drafter
-from .loop import Speculation, check_speculative_sampling, speculative_steps
+from .drafts import Drafter, InContext, PromptLookup, make_drafter
+from .loop import Speculation, check_speculative_sampling, propose_drafts, speculative_steps, verify_step
 from .verify import rollback, verify_pass
 
 __all__ = [
-    "DraftModel", "Drafter", "DraftLength", "PromptLookup", "Speculation", "TargetSampling", "accept_greedy",
-    "accept_sampled", "check_draft_vocab", "check_speculative_sampling", "make_drafter", "rollback",
-    "speculative_steps", "verify_pass",
+    "DraftModel", "Drafter", "DraftLength", "InContext", "PromptLookup", "Speculation", "TargetSampling",
+    "accept_greedy", "accept_sampled", "check_draft_vocab", "check_speculative_sampling", "make_drafter",
+    "propose_drafts", "rollback", "speculative_steps", "verify_pass", "verify_step",
 ]

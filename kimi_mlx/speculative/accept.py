@@ -70,27 +70,29 @@ def accept_greedy(logprobs: mx.array, drafts: Sequence[int]) -> tuple[list[int],
     return list(drafts[:n]) + [best[n]], n
 
 
-def accept_sampled(probs: mx.array, drafts: Sequence[int],
-                   draft_probs: Optional[mx.array] = None) -> tuple[list[int], int]:
+def accept_sampled(probs: mx.array, drafts: Sequence[int], draft_probs: Optional[mx.array] = None,
+                   key: Optional[mx.array] = None) -> tuple[list[int], int]:
     """probs: [1 + k, vocab] target distributions; drafts: k ids; draft_probs: [k, vocab] the drafter's
-    distributions (None: one-hot at each draft) -> (accepted drafts + the next token, number accepted)."""
+    distributions (None: one-hot at each draft); key: the random key to draw with (None: MLX's global generator;
+    a server row passes its own) -> (accepted drafts + the next token, number accepted)."""
     k = len(drafts)
+    key_u, key_draw = mx.random.split(key) if key is not None else (None, None)
     if k:
         idx = mx.array(list(drafts))[:, None]
         p_d = mx.take_along_axis(probs[:k], idx, axis=-1)[:, 0]
         q_d = mx.ones((k,)) if draft_probs is None else mx.take_along_axis(draft_probs, idx, axis=-1)[:, 0]
-        u = mx.random.uniform(shape=(k,))
+        u = mx.random.uniform(shape=(k,), key=key_u)
         ok = (u * q_d < p_d).tolist()  # u < p / q, without dividing by a zero q
     n = 0
     while n < k and ok[n]:
         n += 1
     if n == k:
-        return list(drafts) + [_draw(probs[k])], n
+        return list(drafts) + [_draw(probs[k], key_draw)], n
     q = draft_probs[n] if draft_probs is not None else mx.zeros_like(probs[n]).at[drafts[n]].add(1.0)
     residual = mx.maximum(probs[n] - q, 0.0)
-    return list(drafts[:n]) + [_draw(residual)], n
+    return list(drafts[:n]) + [_draw(residual, key_draw)], n
 
 
-def _draw(weights: mx.array) -> int:
+def _draw(weights: mx.array, key: Optional[mx.array] = None) -> int:
     """One id drawn from the (unnormalised, non-negative) ``weights`` [vocab]."""
-    return int(mx.random.categorical(mx.log(weights)).item())
+    return int(mx.random.categorical(mx.log(weights), key=key).item())

@@ -21,7 +21,7 @@ from .adaptive import DraftLength
 from .drafts import Drafter
 from .verify import rollback, verify_pass
 
-__all__ = ["Speculation", "check_speculative_sampling", "speculative_steps"]
+__all__ = ["Speculation", "check_speculative_sampling", "propose_drafts", "speculative_steps", "verify_step"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def check_speculative_sampling(params: SamplingParams) -> None:
                          "with draft=")
 
 
-def _propose(drafter: Drafter, history: list[int], k: int, vocab: int) -> tuple[list[int], Optional[mx.array]]:
+def propose_drafts(drafter: Drafter, history: list[int], k: int, vocab: int) -> tuple[list[int], Optional[mx.array]]:
     """Up to ``k`` drafts and their q ([len(drafts), vocab]: the drafter's ``draft_probs`` after ``propose``, None
     for a drafter without one: one-hot)."""
     if k <= 0:
@@ -55,6 +55,29 @@ def _propose(drafter: Drafter, history: list[int], k: int, vocab: int) -> tuple[
         raise ValueError(f"the drafter's draft_probs must be [{len(drafts)} drafts, {vocab} (the target's "
                          f"vocabulary)], got {list(q.shape)}")
     return drafts, q[: len(drafts)]
+
+
+def verify_step(model: nn.Module, cache: HybridCache, history: list[int], drafts: Sequence[int], *,
+                processors: Sequence[Callable] = (), target: Optional[TargetSampling] = None,
+                draft_probs: Optional[mx.array] = None,
+                key: Optional[mx.array] = None) -> tuple[list[int], int, mx.array]:
+    """One verify pass and its acceptance, before the rollback: ``history[-1]`` (the newest token, not yet in
+    ``cache``) and ``drafts`` through the target in one pass, the logits processors applied per position
+    (``processors`` see ``history``, which may be the recent tokens only, as a sampler's), then the greedy rule
+    (``target`` None) or the speculative-sampling rule with the drafts' q (``draft_probs`` [k, vocab], None:
+    one-hot), drawing with ``key`` (None: the global generator).
+
+    Returns ``(tokens, n, logprobs)``: the n accepted drafts and the target's next token, and the log-probabilities
+    [1 + k, vocab] after the processors (row i: the distribution of ``tokens[i]``). The cache still holds every
+    draft: the caller cuts the run where it must (a stop token) and calls ``rollback(model, cache, history[-1],
+    drafts, kept)`` with ``kept`` <= n."""
+    logits = verify_pass(model, cache, history[-1], drafts)
+    logprobs = processed_logprobs(processors, history, drafts, logits)
+    if target is None:
+        tokens, n = accept_greedy(logprobs, drafts)
+    else:
+        tokens, n = accept_sampled(target.probs(logprobs), drafts, draft_probs, key=key)
+    return tokens, n, logprobs
 
 
 def _prefill(model: nn.Module, cache: HybridCache, ids: list[int], step: int, after: Callable) -> None:
@@ -93,17 +116,21 @@ def _plain_run(model: nn.Module, cache: HybridCache, last: int, n: int, target: 
 def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCache, drafter: Drafter, *,
                       params: SamplingParams, processors: Sequence[Callable] = (), max_tokens: int = 256,
                       num_draft_tokens: int = 8, prefill_step_size: int = 2048,
-                      length: Optional[DraftLength] = None,
-                      after_forward: Callable = lambda cache: None) -> Iterator[tuple[int, mx.array, Speculation]]:
+                      length: Optional[DraftLength] = None, after_forward: Callable = lambda cache: None,
+                      rank0: Optional[Callable[[list[int]], list[int]]] = None,
+                      ) -> Iterator[tuple[int, mx.array, Speculation]]:
     """Generate up to ``max_tokens`` tokens after ``prompt`` (ids not yet in ``cache``) with drafts from ``drafter``.
 
     params: the sampling options (temp 0: greedy; else temp / top_p / min_p / top_k as mlx-lm's sampler; no custom
     sampler); processors: the logits processors (penalties, logit bias), applied per position; length: the adaptive
     draft length (default ``DraftLength(num_draft_tokens)``); after_forward: called with the cache after each forward
-    pass (latent-cache quantization). Yields (token, logprobs [vocab], Speculation).
+    pass (latent-cache quantization); rank0: on the ranks of a distributed model (every rank runs this loop in
+    lockstep), ids -> rank 0's ids on every rank (a collective); every rank then verifies rank 0's drafts and keeps
+    rank 0's outcome (accepted count and tokens), so the ranks' caches, draft lengths and outputs never part, even
+    where their drafters or draws could differ. Yields (token, logprobs [vocab], Speculation).
 
-    While ``length`` has speculation off (its ``off_for`` > 1) and there are no logits processors, the steps run
-    pipelined (``_plain_run``): then, as with ``generate_step``, the cache already holds the token just yielded
+    While ``length`` has speculation off (its ``off_for`` > 1), with no logits processors and no ``rank0``, the steps
+    run pipelined (``_plain_run``): then, as with ``generate_step``, the cache already holds the token just yielded
     when the consumer stops early."""
     check_speculative_sampling(params)
     length = length or DraftLength(num_draft_tokens)
@@ -115,7 +142,7 @@ def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCach
     last, produced, drafted, accepted = history[-1], 0, 0, 0
     while produced < max_tokens:
         off = min(getattr(length, "off_for", 0), max_tokens - produced)
-        if off > 1 and not processors:  # speculation is off for a while: plain decode steps, pipelined
+        if off > 1 and not processors and rank0 is None:  # off for a while: plain steps, pipelined
             for token, logprobs in _plain_run(model, cache, last, off, target, after_forward):
                 length.observe(0, 0)
                 produced += 1
@@ -124,13 +151,15 @@ def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCach
                 last = token
             continue
         k = min(length.next_length(), max_tokens - produced - 1)
-        drafts, q = _propose(drafter, history, k, model.args.vocab_size)
-        logits = verify_pass(model, cache, last, drafts)
-        logprobs = processed_logprobs(processors, history, drafts, logits)
-        if target is None:
-            tokens, n = accept_greedy(logprobs, drafts)
-        else:
-            tokens, n = accept_sampled(target.probs(logprobs), drafts, q)
+        drafts, q = propose_drafts(drafter, history, k, model.args.vocab_size)
+        if rank0 is not None:
+            mine, drafts = drafts, rank0(drafts)
+            if drafts != mine:  # rank 0's drafts: this rank's q is not theirs (its outcome is rank 0's anyway)
+                q = None
+        tokens, n, logprobs = verify_step(model, cache, history, drafts, processors=processors, target=target,
+                                          draft_probs=q)
+        if rank0 is not None:
+            n, *tokens = rank0([n, *tokens])
         rollback(model, cache, last, drafts, n)
         after_forward(cache)
         length.observe(n, len(drafts))

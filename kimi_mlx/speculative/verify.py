@@ -38,17 +38,18 @@ __all__ = ["rollback", "verify_pass"]
 
 
 def verify_pass(model: nn.Module, cache: HybridCache, last: int, drafts: Sequence[int]) -> mx.array:
-    """Feed ``[last, *drafts]`` (``last``: the newest token, not yet in ``cache``) in one pass, after a checkpoint.
-    Returns the logits ``[1 + k, vocab]``: row i predicts the token after ``last, d_1 .. d_i``."""
+    """Feed ``[last, *drafts]`` (``last``: the newest token, not yet in ``cache``) in one pass, after a transient
+    checkpoint (it releases none of the caller's: ``rollback`` releases it). Returns the logits ``[1 + k, vocab]``:
+    row i predicts the token after ``last, d_1 .. d_i``."""
     if drafts:
-        cache.checkpoint()
+        cache.checkpoint(transient=True)
     return model(mx.array([[last, *drafts]], dtype=mx.int32), cache=cache)[0]
 
 
 def rollback(model: nn.Module, cache: HybridCache, last: int, drafts: Sequence[int], accepted: int) -> None:
     """After ``verify_pass(model, cache, last, drafts)``: keep ``last`` and the first ``accepted`` drafts in
     ``cache``, drop the rest (back to the pass's checkpoint, then re-feed what was accepted), and release the pass's
-    checkpoint. (Taking it still counts against ``max_checkpoints``: with that many kept, the caller's oldest goes.)"""
+    checkpoint (transient: the caller's checkpoints are those it had before the pass, however many it keeps)."""
     if not 0 <= accepted <= len(drafts):
         raise ValueError(f"accepted must be in [0, {len(drafts)}], got {accepted}")
     if not drafts:
