@@ -23,6 +23,8 @@ Prints, as medians of ``--reps`` runs after a warm-up (ms), which BLAS ran, and:
   (mlx-lm's ``generate_step``, which ``stream_generate`` runs without ``draft=``) and of ``draft="lookup"`` with the
   adaptive length (``speculative_steps`` with ``PromptLookup``, which ``stream_generate(draft="lookup")`` runs), the
   median and range of the per-round ratios, drafting passes and acceptance. Must be >= 0.95x.
+Decode time runs from the first forward pass after the prompt's prefill to the last token (``DecodeClock``): a
+speculative run's first verify pass and re-feed are inside it.
 Every speculative run's tokens are checked against plain greedy decoding.
 """
 
@@ -138,6 +140,29 @@ def _undo(cache, n):
     cache.trim(n + 1)
 
 
+class DecodeClock:
+    """The model, noting when its first forward pass after the prompt's prefill starts (a call of fewer than
+    ``prefill`` tokens): decode time is measured from there, so a speculative run's first verify pass and re-feed are
+    inside it, as plain decoding's first step is."""
+
+    def __init__(self, model, prefill: int):
+        self.model, self.prefill, self.start = model, prefill, None
+
+    def __call__(self, x, cache=None):
+        if self.start is None and x.shape[1] < self.prefill:
+            self.start = time.perf_counter()
+        return self.model(x, cache=cache)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def rate(self, it) -> tuple[list[int], float]:
+        """Drain ``it`` (token ids); (tokens, seconds per token from the first decode forward to the end)."""
+        self.start = None
+        out = [int(t) for t in it]
+        return out, (time.perf_counter() - self.start) / len(out)
+
+
 class Forced:
     """Drafts from the target's greedy continuation ``cont``: the first ``round(rate * k)`` right, the rest wrong."""
 
@@ -167,9 +192,9 @@ class Fixed:
 
 
 def throughput(model, prompt, tokens, k, reps, costs):
-    """Decode tok/s (the prefill and first pass excluded) of plain decoding (mlx-lm's ``generate_step``, as
-    ``stream_generate`` without ``draft=``) and of speculation at forced acceptance rates with k fixed, interleaved;
-    every run's tokens are checked against the greedy continuation."""
+    """Decode tok/s (from the first forward after the prefill: ``DecodeClock``) of plain decoding (mlx-lm's
+    ``generate_step``, as ``stream_generate`` without ``draft=``) and of speculation at forced acceptance rates with
+    k fixed, interleaved; every run's tokens are checked against the greedy continuation."""
     from mlx_lm.generate import generate_step
 
     vocab = model.args.vocab_size
@@ -180,20 +205,21 @@ def throughput(model, prompt, tokens, k, reps, costs):
 
     cont = [t for t, _, _ in steps(Forced(0, [], 0, vocab), Fixed(0), tokens + k + 1)][: tokens + k + 1]
 
+    clock = DecodeClock(model, min(len(prompt) - 1, 64))
+
     def run(rate, mode):
         if mode == "plain":  # what stream_generate runs without draft=
-            it = (int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=tokens,
-                                                   sampler=lambda lp: mx.argmax(lp, axis=-1),
-                                                   prompt_cache=model.make_cache()))
+            it = (t for t, _ in generate_step(mx.array(prompt), clock, max_tokens=tokens,
+                                              sampler=lambda lp: mx.argmax(lp, axis=-1),
+                                              prompt_cache=model.make_cache()))
         else:
             length = Fixed(k) if mode == "forced" else None
-            it = (t for t, _, _ in steps(Forced(len(prompt), cont, rate, vocab), length, tokens))
-        out, tic = [], None
-        for t in it:
-            out.append(t)
-            tic = tic or time.perf_counter()
+            it = (t for t, _, _ in speculative_steps(clock, prompt, model.make_cache(),
+                                                     Forced(len(prompt), cont, rate, vocab), params=SamplingParams(),
+                                                     max_tokens=tokens, num_draft_tokens=max(k, 1), length=length))
+        out, seconds = clock.rate(it)
         assert out[:tokens] == cont[:tokens], "speculation changed the greedy tokens"
-        return (time.perf_counter() - tic) / max(len(out) - 1, 1)
+        return seconds
 
     cases = (("100%", 1.0, "forced"), ("50%", 0.5, "forced"), ("0%", 0.0, "forced"), ("0% adaptive", 0.0, "adaptive"))
     times = {"plain": []} | {label: [] for label, _, _ in cases}
@@ -221,15 +247,9 @@ def low_acceptance(model, prompt_len: int, tokens: int, k: int, runs: int) -> No
     for r in range(runs + 1):  # round 0 warms up
         prompt = np.random.default_rng(1000 + r).integers(0, vocab, prompt_len).tolist()
 
-        def timed_tokens(it):
-            out, tic = [], None
-            for t in it:
-                out.append(t)
-                tic = tic or time.perf_counter()
-            return out, (time.perf_counter() - tic) / max(len(out) - 1, 1)
-
-        plain, t_plain = timed_tokens(int(t) for t, _ in generate_step(
-            mx.array(prompt), model, max_tokens=tokens, sampler=lambda lp: mx.argmax(lp, axis=-1),
+        clock = DecodeClock(model, min(prompt_len - 1, 64))
+        plain, t_plain = clock.rate(t for t, _ in generate_step(
+            mx.array(prompt), clock, max_tokens=tokens, sampler=lambda lp: mx.argmax(lp, axis=-1),
             prompt_cache=model.make_cache()))
         counts = []
 
@@ -239,8 +259,8 @@ def low_acceptance(model, prompt_len: int, tokens: int, k: int, runs: int) -> No
                     counts.append((a, p))
                 super().observe(a, p)
 
-        spec, t_spec = timed_tokens(t for t, _, _ in speculative_steps(
-            model, prompt, model.make_cache(), PromptLookup(max_draft=k), params=SamplingParams(), max_tokens=tokens,
+        spec, t_spec = clock.rate(t for t, _, _ in speculative_steps(
+            clock, prompt, model.make_cache(), PromptLookup(max_draft=k), params=SamplingParams(), max_tokens=tokens,
             num_draft_tokens=k, length=Counted(k)))
         assert spec == plain, "speculation changed the greedy tokens"
         if r == 0:
