@@ -975,6 +975,12 @@ BUGS: tuple[PlantedBug, ...] = (
           "all(r.length is not None"),),
         ("tests/test_scheduler_speculative.py::test_max_tokens_and_the_reasoning_budget_cap_the_pass",),
     ),
+    PlantedBug(
+        "speculative: one paying pass after a probe resets the back-off",
+        (("kimi_mlx/speculative/adaptive.py", "        if self.paying > self.recent.maxlen:",
+          "        if self.paying >= 1:"),),
+        ("tests/test_speculative.py::test_draft_length_at_zero_acceptance_backs_off_exponentially",),
+    ),
 )
 
 

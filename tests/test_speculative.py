@@ -15,6 +15,7 @@ from speculative_helpers import (
 )
 
 from kimi_mlx.sampling import SamplingParams
+from kimi_mlx.speculative.adaptive import EMPTY_OFF
 from kimi_mlx.speculative import (
     DraftLength, PromptLookup, TargetSampling, accept_greedy, accept_sampled, rollback, speculative_steps, verify_pass,
 )
@@ -202,10 +203,10 @@ def test_draft_length_grows_shrinks_and_switches_off():
         lengths.append(L.next_length())
         L.observe(lengths[-1], lengths[-1])
     assert lengths == [2, 4, 8] and L.next_length() == 8
-    L.observe(2, 8)  # two accepted: draft three next
+    L.observe(2, 8)  # two accepted: draft three next (a = 11 / 13 still pays)
     assert L.next_length() == 3
     L.observe(0, 3)  # window (2 of 8, 0 of 3): 2 / 11 < 0.3: off for the cool-down
-    for _ in range(4):
+    for _ in range(4):  # the run before paid for more than the window: the base cool-down
         assert L.next_length() == 0
         L.observe(0, 0)  # plain steps count the cool-down down
     assert L.next_length() == 1  # a probe at min_k
@@ -213,10 +214,50 @@ def test_draft_length_grows_shrinks_and_switches_off():
     for _ in range(8):
         assert L.next_length() == 0
         L.observe(0, 0)
-    L.observe(1, L.next_length())  # a probe that accepts: on again, growing
+    L.observe(1, L.next_length())  # a probe that accepts: a = 2 / 3 pays at k = 2: on, growing
     assert L.next_length() == 2
-    L.observe(0, 2)  # window (1 of 1, 0 of 2): 1 / 3 >= 0.3: still on
-    assert L.next_length() == 1
+    L.observe(0, 2)  # window (1 of 1, 0 of 2): 1 / 3 >= 0.3 but a = 2 / 4 does not pay at k = 1: off
+    assert L.gain(1, 0.5) < 1 and L.next_length() == 0
+    assert L.off_for == 16  # the run since the probe did not pay: twice the last cool-down again
+
+
+def test_draft_length_gain_is_tokens_per_pass_over_cost():
+    """``gain`` against a direct count: E(a, k) = sum of a^i for i = 0..k tokens per pass (geometric acceptance),
+    cost 1 + draft_cost k + refeed_cost P(a rejection)."""
+    L = DraftLength(8, draft_cost=0.5, refeed_cost=1.0)
+    for a, k in ((0.0, 1), (0.5, 3), (0.9, 8), (1.0, 4)):
+        tokens = sum(a**i for i in range(k + 1))
+        assert L.gain(k, a) == pytest.approx(tokens / (1 + 0.5 * k + (1 - a**k)))
+    assert L.gain(4, 1.0) == pytest.approx(5 / 3)
+
+
+def test_draft_length_at_zero_acceptance_backs_off_exponentially():
+    """Every draft rejected: the drafting passes of n tokens grow like log2(n / cooldown), and a drafter that is right
+    now and then (every fourth probe hits once) does not reset the back-off."""
+
+    def passes(n, hit_every):
+        L, count = DraftLength(8, cooldown=16), 0
+        for _ in range(n):
+            k = L.next_length()
+            if k:
+                count += 1
+                L.observe(int(count % hit_every == 0) if hit_every else 0, k)
+            else:
+                L.observe(0, 0)
+        return count
+
+    assert passes(1024, 0) == 7  # at 0, 17, 50, 115, 244, 501, 1014: cool-downs 16, 32, .. 512
+    assert passes(4096, 0) == 10  # then one per max_cooldown (1024)
+    assert passes(4096, 4) <= 14
+    empty = DraftLength(8, cooldown=16)  # a drafter with nothing to propose: off after EMPTY_OFF asks
+    for _ in range(EMPTY_OFF):
+        assert empty.next_length() == 2
+        empty.observe(0, 0)
+    assert empty.next_length() == 0 and empty.off_for == 16
+    forced = DraftLength(8, off_below=0.0)  # off_below 0: never off, whatever the cost
+    for _ in range(10):
+        forced.observe(0, forced.next_length())
+    assert forced.next_length() == 1
 
 
 def test_speculation_switches_off_when_every_draft_is_rejected(kl_model):
@@ -234,6 +275,39 @@ def test_speculation_switches_off_when_every_draft_is_rejected(kl_model):
 
     forced, adaptive = drafted(DraftLength(4, off_below=0.0)), drafted(None)
     assert adaptive * 4 < forced
+
+
+class CountingModel:
+    """The model, counting the token positions each forward pass feeds (what a pass costs, up to the pass's fixed
+    overhead: a regression test of the low-acceptance cost that does not time anything)."""
+
+    def __init__(self, model):
+        self.model, self.fed = model, []
+
+    def __call__(self, x, cache=None):
+        self.fed.append(x.shape[1])
+        return self.model(x, cache=cache)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_low_acceptance_costs_a_few_extra_positions(kl_model):
+    """Every draft rejected, the default adaptive length: over 256 tokens the passes feed at most 8 positions beyond
+    plain decoding's one per token (the drafting passes back off exponentially: passes at tokens 0, 66, 195), and
+    between them the model runs plain single-token steps. The tokens are plain decoding's."""
+    prompt = random_prompts(3, seed=11)[2]
+    plain = plain_greedy(kl_model, prompt, 260)
+    counting = CountingModel(kl_model)
+    drafter = ScriptedDrafter(len(prompt), plain, False)
+    out = list(speculative_steps(counting, prompt, kl_model.make_cache(), drafter, params=SamplingParams(),
+                                 max_tokens=256, num_draft_tokens=8))
+    assert [t for t, _, _ in out] == plain[:256]
+    decode = counting.fed[1:] if len(prompt) > 1 else counting.fed  # the first call is the prompt's prefill
+    passes = [p for p in drafter.outcomes if p[1]]
+    assert len(passes) == 3 and all(a == 0 for a, _ in passes)
+    assert sum(decode) - 256 <= 8  # drafts fed (2 + 1 + 1) and re-feeds of `last` (3), beyond one per token
+    assert len(decode) == 256 + 3  # one forward per token (plain decoding's) + one re-feed per drafting pass
 
 
 def test_the_callers_checkpoints_survive_speculation(kl_model):

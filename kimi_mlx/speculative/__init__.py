@@ -22,11 +22,14 @@ One job per module, on floor 1 beside ``generate`` (it imports ``cache`` and ``s
 - ``accept``: greedy acceptance (argmax match) and the speculative-sampling rule (min(1, p/q), residual max(p - q, 0);
   one-hot q for model-free drafts); ``TargetSampling`` gives the target's distribution for mlx-lm's temp / top_p /
   min_p / top_k.
-- ``adaptive``: ``DraftLength``, the next draft length from the recent acceptance, and the off switch.
+- ``adaptive``: ``DraftLength``, the next draft length from the recent acceptance, and the cost-aware off switch
+  (off while the expected tokens per pass at the measured acceptance do not pay for the pass; exponential back-off
+  between probes).
 - ``loop``: ``speculative_steps`` (batch of one): prefill, then draft / verify / accept / roll back / adapt, yielding
   ``(token, logprobs, Speculation)``; it calls a drafter's ``prepare`` first and passes its ``draft_probs`` as q
   (``propose_drafts``). Its pass, ``verify_step`` (verify + processors + acceptance, before the rollback), is also
-  the server engine's speculative turn (``kimi_mlx.server.scheduler``).
+  the server engine's speculative turn (``kimi_mlx.server.scheduler``). While speculation is off it runs plain
+  decode steps pipelined as mlx-lm's ``generate_step`` (the next forward built before the current token is read).
 
 Surface so far: ``stream_generate(..., draft="lookup" | a loaded Kimi model | a Drafter, num_draft_tokens=k)``
 (``draft_model=``: mlx-lm's name for ``draft=<model>``, an error with ``draft=``; and ``generate``, which passes
@@ -89,24 +92,18 @@ low-rank token-transition correction per position; mlx-vlm runs it greedy only);
 (target layer ids, block size, mask token id) refusing a drafter made for another target (hidden size, layer count,
 vocabulary).
 
-Measurements (bench/bench_speculative.py; Linux CPU, float32, 2 shared cores: plain decoding itself varies by
-+-15% run to run). Demo model, 256-token prompt, medians of 5, in multiples of one decode step (1.5 ms):
+Measurements (bench/bench_speculative.py prints the cost curve k = 1..16, the cost model's speed-up table for the
+measured curve and for a weight-bound one, forced-acceptance and low-acceptance runs; bench/README.md has the
+commands). On the Linux CPU backend (float32, 2 shared cores) a verify pass of 1 + k tokens costs ~1 + 0.2 k (demo
+model) to ~1 + 0.26 k (bench model) decode steps and a re-feed of n + 1 tokens about a pass of n drafts, so
+speculation pays there from a per-draft acceptance of ~0.65-0.9 depending on k; with drafts all accepted, k = 8:
+2.8x plain decoding on the demo model, 2.4x on the bench model. Random prompts with ``draft="lookup"`` and the
+adaptive length: 0.97-1.02x plain (medians over 5-9 interleaved rounds).
 
-    k                         1     2     4     8     16
-    verify pass (1 + k)     1.8x  2.0x  3.3x  4.4x  6.3x
-    re-feed n = k // 2      0.8x  1.7x  2.1x  3.3x  4.4x   (the chosen rollback's extra cost after a rejection;
-                                                           the per-step option's pass costs >= the verify row)
-
-    decode tok/s vs plain, 512 tokens:  accepted  100%    50%    0%    0% with the adaptive length
-                                  k=4:           1.34x  0.71x  0.33x  1.03x
-                                  k=8:           1.62x  0.61x  0.26x  0.88x  (0.84-1.04 over runs: noise-bound)
-
-Bench model of bench_vs_mlx_lm.py (hidden 768, 12 layers, float32): decode 46 ms; verify k = 1, 2, 4, 8, 16:
-3.2x, 3.9x, 6.1x, 9.0x, 15.8x a decode step; re-feed n = 0: 1.0x, n = 4: 7.9x. On this CPU a 2-token pass costs
-3x a 1-token one: the multi-token path is compute-bound here and takes other kernels (up to ``KEY_BLOCK`` = 512 cached
-keys the MLA ``fused`` path expands per-head keys and values over the cache for T > 1; the KDA core is compiled only
-for T == 1), so speculation
-cannot pay on CPU for that model. One forward pass of T tokens after S cached ones on that model (ms, CPU):
+Bench model of bench_vs_mlx_lm.py (hidden 768, 12 layers, float32), an earlier measurement: a 2-token pass cost
+up to 3x a 1-token one: the multi-token path is compute-bound here and takes other kernels (up to ``KEY_BLOCK`` = 512
+cached keys the MLA ``fused`` path expands per-head keys and values over the cache for T > 1; the KDA core is
+compiled only for T == 1). One forward pass of T tokens after S cached ones on that model (ms, CPU):
 
     S, T       1      2      3      5      9
     1        46     82    119    208    355    (~40 ms per token: compute-bound, and a MoE pass of T tokens
@@ -125,9 +122,9 @@ Not done (for the next session):
   KDA states option if re-feeds show up there;
 - surfaces: ``serve --draft`` (batch of one per request; continuous batching needs per-row accepted counts, i.e.
   ragged rollback of a batched cache), ``usage`` in the server;
-- the realistic workload (a LoRA copy-with-edits demo model) and mlx-lm's refusal as the baseline;
-- ``stream_generate`` with ``draft=`` runs its own prefill (no image prefill, no ``generate_step`` async pipelining:
-  the loop syncs once per pass).
+- ``stream_generate`` with ``draft=`` runs its own prefill (no image prefill); drafting passes sync once per pass
+  (the stretches with speculation off run pipelined);
+- the adaptive length's cost model has no term for a draft model's own cost per drafted token.
 """
 
 from .accept import TargetSampling, accept_greedy, accept_sampled

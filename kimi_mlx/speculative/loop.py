@@ -88,6 +88,31 @@ def _prefill(model: nn.Module, cache: HybridCache, ids: list[int], step: int, af
         mx.eval([c.state for c in cache])
 
 
+def _plain_run(model: nn.Module, cache: HybridCache, last: int, n: int, target: Optional[TargetSampling],
+               after_forward: Callable) -> Iterator[tuple[int, mx.array]]:
+    """``n`` plain decode steps after ``last`` (not yet in ``cache``), each launched before the previous token is read
+    (as mlx-lm's ``generate_step``: the next forward is built while this one runs). Yields (token, logprobs [vocab]).
+    Greedy: the argmax; sampled: a draw from the target's distribution (what a pass without drafts accepts)."""
+
+    def step(y: mx.array) -> tuple[mx.array, mx.array]:
+        logits = model(y.reshape(1, 1), cache=cache)[0, -1]
+        after_forward(cache)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        if target is None:
+            return mx.argmax(logprobs), logprobs
+        return mx.random.categorical(mx.log(target.probs(logprobs[None])[0])), logprobs
+
+    y, logprobs = step(mx.array(last, dtype=mx.int32))
+    mx.async_eval(y, logprobs)
+    for i in range(n):
+        if i + 1 < n:
+            y_next, logprobs_next = step(y)
+            mx.async_eval(y_next, logprobs_next)
+        yield int(y.item()), logprobs
+        if i + 1 < n:
+            y, logprobs = y_next, logprobs_next
+
+
 def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCache, drafter: Drafter, *,
                       params: SamplingParams, processors: Sequence[Callable] = (), max_tokens: int = 256,
                       num_draft_tokens: int = 8, prefill_step_size: int = 2048,
@@ -102,7 +127,11 @@ def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCach
     pass (latent-cache quantization); rank0: on the ranks of a distributed model (every rank runs this loop in
     lockstep), ids -> rank 0's ids on every rank (a collective); every rank then verifies rank 0's drafts and keeps
     rank 0's outcome (accepted count and tokens), so the ranks' caches, draft lengths and outputs never part, even
-    where their drafters or draws could differ. Yields (token, logprobs [vocab], Speculation)."""
+    where their drafters or draws could differ. Yields (token, logprobs [vocab], Speculation).
+
+    While ``length`` has speculation off (its ``off_for`` > 1), with no logits processors and no ``rank0``, the steps
+    run pipelined (``_plain_run``): then, as with ``generate_step``, the cache already holds the token just yielded
+    when the consumer stops early."""
     check_speculative_sampling(params)
     length = length or DraftLength(num_draft_tokens)
     target = TargetSampling(params.temp, params.top_p, params.min_p, params.top_k) if params.temp > 0 else None
@@ -112,6 +141,15 @@ def speculative_steps(model: nn.Module, prompt: Sequence[int], cache: HybridCach
     _prefill(model, cache, history[:-1], prefill_step_size, after_forward)
     last, produced, drafted, accepted = history[-1], 0, 0, 0
     while produced < max_tokens:
+        off = min(getattr(length, "off_for", 0), max_tokens - produced)
+        if off > 1 and not processors and rank0 is None:  # off for a while: plain steps, pipelined
+            for token, logprobs in _plain_run(model, cache, last, off, target, after_forward):
+                length.observe(0, 0)
+                produced += 1
+                yield token, logprobs, Speculation(False, drafted, accepted)
+                history.append(token)
+                last = token
+            continue
         k = min(length.next_length(), max_tokens - produced - 1)
         drafts, q = propose_drafts(drafter, history, k, model.args.vocab_size)
         if rank0 is not None:

@@ -7,7 +7,7 @@ exactly ``last`` and the accepted drafts: when some drafts were rejected it trim
 accepted tokens (one forward pass of n + 1 tokens). The cache then equals a fresh prefill of the same tokens.
 
 Why re-feed rather than keep per-step KDA states during the verify pass (the two options of issue 24), with the
-numbers of ``bench/bench_speculative.py`` (CPU, float32, 2 shared cores; the package docstring has the table):
+numbers of ``bench/bench_speculative.py`` (CPU, float32, 2 shared cores; it prints the cost curve, re-feeds included):
 
 - keeping per-step states needs every KDA scan path (recurrent, chunked, their Metal kernels) to hand out the state
   after every position (1 + k states of [B, H, Dv, Dk] float32 per KDA layer: 2 MiB per layer per position on Kimi
