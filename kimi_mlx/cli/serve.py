@@ -19,8 +19,8 @@ import sys
 from typing import TYPE_CHECKING, NamedTuple
 
 from . import ranks
-from .flags import (add_chat_args, add_draft_args, add_kv_args, add_model_args, add_sampling_args, check_draft_args,
-                    draft_from_args, kv_from_args, load_from_args, sampling_from_args)
+from .flags import (NUM_DRAFT_TOKENS, add_chat_args, add_draft_args, add_kv_args, add_model_args, add_sampling_args,
+                    check_draft_args, draft_from_args, kv_from_args, load_from_args, sampling_from_args)
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -174,9 +174,10 @@ def _backend_parts(args: argparse.Namespace, group) -> BackendParts:
     if budget is None:
         budget = max(0, usable_memory() - mx.get_active_memory()) // 4
     draft = draft_from_args(args, tokenizer, group)  # every rank loads a draft model: they agree on who speculates
+    k = NUM_DRAFT_TOKENS if args.num_draft_tokens is None else args.num_draft_tokens
     scheduler = Scheduler(model, max_batch=args.max_batch, max_queue=args.max_queue, prompt_cache_bytes=budget,
                           prefill_chunk=args.prefill_chunk, checkpoint_interval=args.checkpoint_interval, group=group,
-                          draft=draft, num_draft_tokens=args.num_draft_tokens, draft_max_batch=args.draft_max_batch,
+                          draft=draft, num_draft_tokens=k, draft_max_batch=args.draft_max_batch,
                           **kv_from_args(args))
     return BackendParts(model, tokenizer, chat_format, scheduler, sampling, budget)
 

@@ -3,8 +3,9 @@ shapes and conventions there; the Metal kernels: ``ops/mla_attention_metal.py``)
 
 - Metal on (``kimi_mlx.metal.enabled()``), absorbed, float keys: ``mla_attention_metal``, one kernel launch per key
   segment whatever its length, with ``absorbed_blocks``' gradients;
-- one float segment of at most ``key_block`` keys: ``fused`` (one ``scaled_dot_product_attention`` call, absorbed or
-  expanded by the rule below);
+- one float segment of at most ``key_block`` keys: ``fused`` (one ``scaled_dot_product_attention`` call), absorbed up
+  to ``FUSED_ABSORBED_MAX_QUERIES`` queries (decode, a verify pass: expanding the segment per head for a few queries
+  costs more than the attention), expanded beyond;
 - else ``absorbed_blocks`` up to ``ABSORBED_MAX_QUERIES`` queries (decode, short chunks), ``expanded_blocks`` beyond
   (prefill): expanding a block pays off past T* = r(dn + dv) / (2r - dn - dv) queries (128 for the tiny fixtures,
   170 for Kimi-Linear-48B). Both read float and quantized segments (``ops/latent.py``).
@@ -25,12 +26,14 @@ from . import latent
 from .mla_attention_metal import mla_attention_metal
 from .mla_paths import Keys, LeftPaddedCausal, Mask, absorbed_blocks, expanded_blocks, fused, segments
 
-__all__ = ["ABSORBED_MAX_QUERIES", "KEY_BLOCK", "SCORE_BUDGET_BYTES", "Keys", "LeftPaddedCausal", "Mask",
-           "auto_key_block", "mla_attention"]  # fmt: skip
+__all__ = ["ABSORBED_MAX_QUERIES", "FUSED_ABSORBED_MAX_QUERIES", "KEY_BLOCK", "SCORE_BUDGET_BYTES", "Keys",
+           "LeftPaddedCausal", "Mask", "auto_key_block", "mla_attention"]  # fmt: skip
 
 KEY_BLOCK = 512  # keys per block: ~9 x H x T x KEY_BLOCK floats in flight; S <= KEY_BLOCK takes the fused SDPA
 SCORE_BUDGET_BYTES = 32 << 20  # key_block=None: blocks as large as B x H x T x block float32 scores fit in this
 ABSORBED_MAX_QUERIES = 128  # blockwise: latent-space (absorbed) attention up to this many queries, expanded beyond
+FUSED_ABSORBED_MAX_QUERIES = 32  # fused: absorbed up to this many queries (decode, speculative verify passes), expanded
+# beyond (prefill and training chunks: one expansion of the segment serves every query)
 
 
 def auto_key_block(B: int, H: int, T: int) -> int:
@@ -61,5 +64,6 @@ def mla_attention(
     if floats and absorbed and metal.enabled():
         return mla_attention_metal(*args, key_block=key_block)
     if floats and len(kv_latent) == 1 and latent.width(kv_latent[0]) <= key_block:
-        return fused(q_nope, q_pe, kv_latent[0], k_pe[0], embed_q, unembed_out, scale, mask, absorbed)
+        return fused(q_nope, q_pe, kv_latent[0], k_pe[0], embed_q, unembed_out, scale, mask,
+                     absorbed and T <= FUSED_ABSORBED_MAX_QUERIES)
     return (absorbed_blocks if absorbed else expanded_blocks)(*args, key_block)

@@ -16,8 +16,8 @@ Shapes (B batch, H heads, T queries, S keys, r = kv_lora_rank, dn = qk_nope, dr 
 score(t, s) = scale * (q_nope . k_nope_s + q_pe . k_pe_s) with k_nope_s = c_kv_s W_kb^T and v_s = c_kv_s W_vb^T.
 
 - ``fused``: one float segment in one call of ``mx.fast.scaled_dot_product_attention``: absorbed in latent space
-  (the k_pe scores and the mask enter as an additive mask) up to ``ABSORBED_MAX_QUERIES`` queries (decode, a verify
-  pass, short chunks), per-head expanded keys and values beyond.
+  (one shared key head [c_kv, k_pe], c_kv as the values) for few queries (decode, a verify pass), per-head expanded
+  keys and values otherwise.
 - ``absorbed_blocks``: latent space (q_lat = q_nope W_kb, scores q_lat c^T + q_pe k_pe^T, output (p c) W_vb^T), all
   heads folded into the query axis so a block is one matmul; ~2(2r + dr) flops per query x key x head. A block may
   span several segments (one softmax over their concatenated scores, the weighted sum summed over their pieces).
@@ -86,18 +86,16 @@ def block_mask(mask: Mask, T: int, S: int, s0: int, s1: int) -> Optional[mx.arra
 def fused(q_nope, q_pe, kv_latent: mx.array, k_pe: mx.array, embed_q, unembed_out, scale: float, mask: Mask,
           absorbed: bool = True):
     """One float segment ``[B, 1, S, .]`` in one ``scaled_dot_product_attention`` call -> [B, H, T, dv]. ``absorbed``:
-    in latent space (one shared latent head; the k_pe scores and the mask enter as an additive mask [B, H, T, S]),
-    else with per-head expanded keys and values."""
+    in latent space, one shared key head ``[c_kv, k_pe]`` (r + dr wide) against queries ``[q_nope W_kb, q_pe]`` with
+    ``c_kv`` as the values; else per-head expanded keys and values."""
     T, S = q_nope.shape[2], kv_latent.shape[2]
-    if absorbed:
-        pe_scores = (q_pe * scale) @ k_pe.swapaxes(-1, -2)  # [B, H, T, S]
-        allowed = block_mask(mask, T, S, 0, S)
-        if allowed is not None:
-            pe_scores = mx.where(allowed, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
-        out = mx.fast.scaled_dot_product_attention(embed_q(q_nope), kv_latent, kv_latent, scale=scale, mask=pe_scores)
-        return unembed_out(out)  # [B, H, T, dv]
     if isinstance(mask, LeftPaddedCausal):
         mask = mask.block(T, S, 0, S)
+    if absorbed:
+        q = mx.concatenate([embed_q(q_nope), q_pe], axis=-1)  # [B, H, T, r + dr]
+        k = mx.concatenate([kv_latent, k_pe], axis=-1)  # [B, 1, S, r + dr]
+        out = mx.fast.scaled_dot_product_attention(q, k, kv_latent, scale=scale, mask=mask)  # [B, H, T, r]
+        return unembed_out(out)  # [B, H, T, dv]
     k_nope = embed_q(kv_latent, transpose=False)  # [B, H, S, dn]
     k = mx.concatenate([k_nope, mx.broadcast_to(k_pe, (*k_nope.shape[:-1], k_pe.shape[-1]))], axis=-1)
     v = unembed_out(kv_latent)  # [B, H, S, dv]
