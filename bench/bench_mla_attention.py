@@ -1,8 +1,8 @@
 """MLA attention over a long cache: the fused path vs the blockwise forms (ops/mla_paths.py).
 
 For T queries (decode T=1 up to a 2048-token prefill chunk) against S cached keys, prints the median time of
-- fused:     one ``mx.fast.scaled_dot_product_attention`` over the whole cache (absorbed for T=1, expanded per head
-             otherwise): the path before blockwise attention, memory O(H x T x S)
+- fused:     one ``mx.fast.scaled_dot_product_attention`` over the whole cache (absorbed up to
+             ``FUSED_ABSORBED_MAX_QUERIES`` = 32 queries, expanded per head beyond): memory O(H x T x S)
 - absorbed:  blockwise in latent space (q W_kb against c_kv, output in latent space, then W_vb)
 - expanded:  blockwise, each key block expanded per head
 and each blockwise median as a ratio of the fused one (<1 = faster). float32, the default device.

@@ -84,7 +84,7 @@ def block_mask(mask: Mask, T: int, S: int, s0: int, s1: int) -> Optional[mx.arra
 
 
 def fused(q_nope, q_pe, kv_latent: mx.array, k_pe: mx.array, embed_q, unembed_out, scale: float, mask: Mask,
-          absorbed: bool = True):
+          absorbed: bool):
     """One float segment ``[B, 1, S, .]`` in one ``scaled_dot_product_attention`` call -> [B, H, T, dv]. ``absorbed``:
     in latent space, one shared key head ``[c_kv, k_pe]`` (r + dr wide) against queries ``[q_nope W_kb, q_pe]`` with
     ``c_kv`` as the values; else per-head expanded keys and values."""
