@@ -92,13 +92,13 @@ def decode_splits(B: int, H: int, S: int, *, simdgroups: int = DEFAULT_SIMDGROUP
 
     The split kernel runs ``B * ceil(H / HG)`` head groups (HG = simdgroups x heads_per_simdgroup, at most H) times
     the splits as threadgroups: enough splits for ``max(B * H, THREADGROUPS_PER_CORE * gpu_cores)`` threadgroups, at
-    most ``S // MIN_KEYS_PER_SPLIT``. When that launches fewer threadgroups than ``mla_decode``'s B x H (short
-    caches, large batches) the one-pass kernel runs (0). E.g. B = 1, 32 heads, 32 cores: 2 head groups, 0 below
+    most ``S // MIN_KEYS_PER_SPLIT``. With fewer than 2 splits, or fewer threadgroups than ``mla_decode``'s B x H
+    (short caches, large batches), the one-pass kernel runs (0). E.g. B = 1, 32 heads, 32 cores: 2 head groups, 0 below
     S = 4096, 64 splits from S = 16384."""
     groups = B * -(-H // min(H, simdgroups * heads_per_simdgroup))
     want = -(-max(B * H, THREADGROUPS_PER_CORE * gpu_cores) // groups)
     splits = min(want, S // MIN_KEYS_PER_SPLIT)
-    return splits if splits * groups >= B * H else 0
+    return splits if splits >= 2 and splits * groups >= B * H else 0
 
 
 def _simdgroups(simdgroups: Optional[int], r: int, decode: bool, name: str) -> int:
