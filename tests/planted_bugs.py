@@ -975,6 +975,12 @@ BUGS: tuple[PlantedBug, ...] = (
           "all(r.length is not None"),),
         ("tests/test_scheduler_speculative.py::test_max_tokens_and_the_reasoning_budget_cap_the_pass",),
     ),
+    PlantedBug(
+        "MLA Metal: the split-K reduce ignores each split's max (partials summed without the rescale)",
+        (("metal_kernels/mla_decode_reduce.metal", "const float w = metal::exp(m_part[row * NS + j] - top);",
+          "const float w = 1.0f;"),),
+        ("tests/test_metal_mla_decode_split.py",),
+    ),
 )
 
 

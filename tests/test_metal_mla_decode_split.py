@@ -118,15 +118,23 @@ def test_half_inputs_accumulate_in_float32(dtype, kernels):
     kernels.assert_clean()
 
 
+def _identity(x, transpose=True):
+    return x
+
+
 def test_no_races_or_uninitialised_reads(strict_kernels):
     """Three schedules agree and no uninitialised threadgroup / local read: 2 SIMD-groups share each staged tile of 8
-    keys (a short last tile per split; in the second head group of 5 heads one SIMD-group has 1 head, the other
-    none but still loads tiles), a padded row, two pages."""
-    args, whole = _args(2, 5, 75, [41, 34], [0, 50], seed=7)
+    keys (3 tiles per split of 19 keys, the last one short; in the second head group of 5 heads one SIMD-group has
+    1 head, the other none but still loads tiles, so it runs ahead to the next tile where a barrier is missing), a
+    padded row, two pages."""
+    args, _ = _args(2, 5, 75, [41, 34], [0, 50], seed=7)
+    q_nope, q_pe, cs, krs, embed_q, _, scale, mask = args
+    q_lat, q_rot = embed_q(q_nope) * scale, q_pe * scale
     with metal.disabled():
-        ref = mla_attention(*whole, key_block=KEY_BLOCK)
+        ref = mla_attention(q_lat, q_rot, mx.concatenate(cs, axis=2), mx.concatenate(krs, axis=2), _identity,
+                            _identity, 1.0, mask, key_block=KEY_BLOCK)  # fmt: skip
     with strict_kernels.active():
-        got = mla_attention_metal(*args, splits=4, simdgroups=2)
+        got = mla_latent_attention_split(q_lat, q_rot, cs, krs, mask, splits=4, simdgroups=2, keys_per_tile=8)
         mx.eval(got)
     strict_kernels.assert_clean()
     assert strict_kernels.threadgroups == [(64, 1, 1)] * 2 + [(128, 1, 1)]
@@ -241,6 +249,8 @@ def test_bad_arguments_are_errors(kernels):
                                        splits=2)  # fmt: skip
         with pytest.raises(ValueError, match="do not fit"):
             mla_latent_attention_split(q_lat, q_pe, [c[:, :, :10], c[:, :, 10:]], [kr], splits=2)
+        with pytest.raises(ValueError, match="do not fit"):
+            mla_latent_attention_split(q_lat, q_pe, [c[:, :, :10], c[:, :, 10:]], [kr[:, :, :10]], splits=2)
         with pytest.raises(ValueError, match="splits must be >= 1"):
             mla_latent_attention_split(q_lat, q_pe, c, kr, splits=0)
         with pytest.raises(ValueError, match="keys_per_tile must be in 1..32"):
@@ -251,5 +261,6 @@ def test_bad_arguments_are_errors(kernels):
             mla_latent_attention_split(wide[4](wide[0]), wide[1], wide[2], wide[3], splits=2, simdgroups=17,
                                        heads_per_simdgroup=1)  # fmt: skip
     real, _ = _args(1, 2, 20, None, None, r=512, dr=64, dn=128)
-    with kernels.active(), pytest.raises(ValueError, match=r"mla_decode_split: .*keys_per_tile=16 asks for 36864 bytes"):
+    too_big = r"mla_decode_split: .*keys_per_tile=16 asks for 36864 bytes"
+    with kernels.active(), pytest.raises(ValueError, match=too_big):
         mla_latent_attention_split(real[4](real[0]), real[1], real[2], real[3], splits=2, keys_per_tile=16)

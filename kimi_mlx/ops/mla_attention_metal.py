@@ -198,6 +198,41 @@ def _decode_mask(mask: Mask, B: int, S: int, s0: int, s1: int) -> Optional[mx.ar
     return None if m is None else mx.broadcast_to(m, (B, 1, 1, s1 - s0)).reshape(B, s1 - s0)
 
 
+def _split_settings(q_lat, q_rot, cs: list, pes: list, splits: int, simdgroups: Optional[int],
+                    heads_per_simdgroup: Optional[int], keys_per_tile: Optional[int]) -> tuple[int, int, int]:
+    """Checked launch settings of ``mla_decode_split``: (SIMD-groups, heads per SIMD-group, keys per tile)."""
+    B, H, T, r = q_lat.shape
+    dr = q_rot.shape[-1]
+    if T != 1:
+        raise ValueError(f"mla_latent_attention_split: the split decode takes one query per row, got T={T}")
+    if len(cs) != len(pes) or any(c.shape != (B, 1, c.shape[2], r) or kr.shape != (B, 1, c.shape[2], dr)
+                                  for c, kr in zip(cs, pes)):
+        raise ValueError(
+            f"mla_latent_attention_split: segments {[c.shape for c in cs]}, {[kr.shape for kr in pes]} do not fit "
+            f"[B, 1, S_i, r], [B, 1, S_i, dr] for q_lat {q_lat.shape}"
+        )
+    for name, x in (("q_lat", q_lat), ("q_rot", q_rot), ("kv_latent", cs[0]), ("k_pe", pes[0])):
+        if x.dtype not in _IO_DTYPES:
+            raise ValueError(f"mla_latent_attention_split: {name} dtype {x.dtype} not supported (float32/16, bfloat16)")
+    if splits < 1:
+        raise ValueError(f"mla_latent_attention_split: splits must be >= 1, got {splits}")
+    hps = DEFAULT_HEADS_PER_SIMDGROUP if heads_per_simdgroup is None else heads_per_simdgroup
+    if hps < 1:
+        raise ValueError(f"mla_latent_attention_split: heads_per_simdgroup must be >= 1, got {hps}")
+    nsg = min(DEFAULT_SIMDGROUPS if simdgroups is None else simdgroups, -(-H // hps))
+    if nsg < 1:
+        raise ValueError(f"mla_latent_attention_split: simdgroups must be >= 1, got {simdgroups}")
+    size = cs[0].dtype.size
+    tk = split_keys_per_tile(r, dr, size) if keys_per_tile is None else keys_per_tile
+    if not 1 <= tk <= 32:
+        raise ValueError(f"mla_latent_attention_split: keys_per_tile must be in 1..32 (one key per lane), got {tk}")
+    metal.check_threadgroup(SPLIT_KERNEL, f"simdgroups={nsg}, keys_per_tile={tk}", 32 * nsg,
+                            split_threadgroup_bytes(tk, r, dr, size),
+                            f"at most {metal.MAX_THREADS_PER_THREADGROUP // 32} SIMD-groups and "
+                            f"{split_keys_per_tile(r, dr, size)} keys per tile at kv_lora_rank {r}")  # fmt: skip
+    return nsg, hps, tk
+
+
 def mla_latent_attention_split(
     q_lat: mx.array,
     q_rot: mx.array,
@@ -221,64 +256,33 @@ def mla_latent_attention_split(
     ``keys_per_tile`` (<= 32; default ``split_keys_per_tile``) keys staged at a time. Mask as
     ``mla_latent_attention_metal`` (T = 1). ``with_lse``: also each row's log-sum-exp ``[B, H, 1]`` float32."""
     cs, pes = segments(kv_latent), segments(k_pe)
-    B, H, T, r = q_lat.shape
-    dr = q_rot.shape[-1]
-    widths = [c.shape[2] for c in cs]
-    S = sum(widths)
-    if T != 1:
-        raise ValueError(f"mla_latent_attention_split: the split decode takes one query per row, got T={T}")
-    if any(c.shape != (B, 1, w, r) or kr.shape != (B, 1, w, dr) for c, kr, w in zip(cs, pes, widths)):
-        raise ValueError(
-            f"mla_latent_attention_split: segments {[c.shape for c in cs]}, {[kr.shape for kr in pes]} do not fit "
-            f"[B, 1, S_i, r], [B, 1, S_i, dr] for q_lat {q_lat.shape}"
-        )
-    for name, x in (("q_lat", q_lat), ("q_rot", q_rot), ("kv_latent", cs[0]), ("k_pe", pes[0])):
-        if x.dtype not in _IO_DTYPES:
-            raise ValueError(f"mla_latent_attention_split: {name} dtype {x.dtype} not supported (float32/16, bfloat16)")
-    if splits < 1:
-        raise ValueError(f"mla_latent_attention_split: splits must be >= 1, got {splits}")
-    hps = DEFAULT_HEADS_PER_SIMDGROUP if heads_per_simdgroup is None else heads_per_simdgroup
-    if hps < 1:
-        raise ValueError(f"mla_latent_attention_split: heads_per_simdgroup must be >= 1, got {hps}")
-    nsg = min(DEFAULT_SIMDGROUPS if simdgroups is None else simdgroups, -(-H // hps))
-    if nsg < 1:
-        raise ValueError(f"mla_latent_attention_split: simdgroups must be >= 1, got {simdgroups}")
-    kdt = cs[0].dtype
-    tk = split_keys_per_tile(r, dr, kdt.size) if keys_per_tile is None else keys_per_tile
-    if not 1 <= tk <= 32:
-        raise ValueError(f"mla_latent_attention_split: keys_per_tile must be in 1..32 (one key per lane), got {tk}")
-    metal.check_threadgroup(SPLIT_KERNEL, f"simdgroups={nsg}, keys_per_tile={tk}", 32 * nsg,
-                            split_threadgroup_bytes(tk, r, dr, kdt.size),
-                            f"at most {metal.MAX_THREADS_PER_THREADGROUP // 32} SIMD-groups and "
-                            f"{split_keys_per_tile(r, dr, kdt.size)} keys per tile at kv_lora_rank {r}")  # fmt: skip
+    nsg, hps, tk = _split_settings(q_lat, q_rot, cs, pes, splits, simdgroups, heads_per_simdgroup, keys_per_tile)
     split_k, reduce_k = metal.kernel(SPLIT_KERNEL), metal.kernel(REDUCE_KERNEL)
     if split_k is None or reduce_k is None:
         raise RuntimeError("mla_latent_attention_split: Metal kernels are not enabled (see kimi_mlx.metal.enabled)")
+    B, H, _, r = q_lat.shape
+    dr, kdt = q_rot.shape[-1], cs[0].dtype
+    S = sum(c.shape[2] for c in cs)
     kps = -(-S // splits)  # keys per split
-    groups = -(-H // (nsg * hps))
-    q = q_lat.reshape(B, H, r)
-    qr = q_rot.astype(q_lat.dtype).reshape(B, H, dr)
-    os_, ms, ls, s0 = [], [], [], 0
-    for c, kr, w in zip(cs, pes, widths):
+    q, qr = q_lat.reshape(B, H, r), q_rot.astype(q_lat.dtype).reshape(B, H, dr)
+    parts, s0 = [], 0  # per segment: (o [B, H, ns, r], m [B, H, ns], l [B, H, ns]) float32
+    for c, kr in zip(cs, pes):
+        w = c.shape[2]
         seg_mask = _decode_mask(mask, B, S, s0, s0 + w)
         ns = -(-w // kps)
-        o, m, l = split_k(
+        parts.append(split_k(
             inputs=[q, qr, c.reshape(B, w, r), kr.astype(kdt).reshape(B, w, dr),
                     mx.zeros((1,), mx.bool_) if seg_mask is None else seg_mask, kps],
             template=[("QT", q_lat.dtype), ("KT", kdt), ("DL", r), ("DR", dr), ("NSG", nsg), ("HPS", hps),
                       ("TK", tk), ("HAS_MASK", seg_mask is not None)],
-            grid=(32 * nsg, groups, B * ns),
+            grid=(32 * nsg, -(-H // (nsg * hps)), B * ns),
             threadgroup=(32 * nsg, 1, 1),
             output_shapes=[(B, H, ns, r), (B, H, ns), (B, H, ns)],
             output_dtypes=[mx.float32] * 3,
-        )  # fmt: skip
-        os_.append(o)  # [B, H, ns, r]
-        ms.append(m)  # [B, H, ns]
-        ls.append(l)  # [B, H, ns]
+        ))  # fmt: skip
         s0 += w
-    cat = (lambda xs: xs[0]) if len(cs) == 1 else (lambda xs: mx.concatenate(xs, axis=2))
     out, lse = reduce_k(
-        inputs=[cat(os_), cat(ms), cat(ls)],
+        inputs=[p[0] if len(parts) == 1 else mx.concatenate(p, axis=2) for p in zip(*parts)],  # along the splits
         template=[("QT", q_lat.dtype), ("DL", r), ("NSG", REDUCE_SIMDGROUPS)],
         grid=(32 * REDUCE_SIMDGROUPS, H, B),
         threadgroup=(32 * REDUCE_SIMDGROUPS, 1, 1),
