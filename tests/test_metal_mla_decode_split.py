@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from metal_support import KernelBackend, assert_matches, kernels_fixture, mismatch, strict_kernels_fixture  # noqa: F401
-from test_metal_limits import K3, KL
+from test_metal_limits import K3, KL, _run_narrow, narrow_fixture  # noqa: F401  (fixture)
 from test_metal_mla_attention import KEY_BLOCK, _as_f32, _split, make_inputs
 
 from kimi_mlx import metal
@@ -221,6 +221,16 @@ def test_real_sizes(cfg, S, widths, pad, splits, kernels):
         split_bytes = [r.stats["threadgroup_bytes"] for n, r in kernels.results if n == SPLIT]
         assert split_bytes == [split_threadgroup_bytes(4, 512, 64, 4)] * 2 == [9216] * 2
     kernels.assert_clean()
+
+
+def test_indices_past_uint(narrow):
+    """With a 16-bit ``uint`` in the bodies (``metal_support.NARROW_UINT``): c_kv [B, S, 512] = 5 * 40 * 512 =
+    102,400 and the partials [B, H, splits, 512] = 5 * 32 * 4 * 512 = 327,680 elements, both past 2^16, equal the
+    pure path (offsets in 64 bits in both kernels)."""
+    args, _ = _args(5, KL.num_attention_heads, 40, None, [0, 3, 0, 9, 1], r=512, dr=64, dn=128)
+    _run_narrow(narrow, "mla_decode_reduce", lambda: (mla_attention_metal(*args, splits=4),),
+                lambda: (mla_attention(*args, key_block=16),))  # fmt: skip
+    assert "kimi_mla_decode_split" in narrow.launched
 
 
 def test_short_caches_keep_the_one_pass_kernel(kernels):
