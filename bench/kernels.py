@@ -221,9 +221,10 @@ def bench_mla_decode(S, args, dtype):
     paged = (q_nope, q_pe, pages, rope_pages, embed_q, unembed_out, scale, None)
     n = decode_splits(B, H, S, gpu_cores=args.gpu_cores)
     gb = (S * (r + dr) * B * dtype.size) / 1e9  # latent + rope, read once per step
+    gb_gqa = (S * 2 * kv_heads * 128 * B * dtype.size) / 1e9  # the yardstick's K + V
     picks = f"{n} splits" if n else "one-pass mla_decode"
-    args.mla_decode_note = (gb, f"split-K ran {max(n, 2)} splits (mla_attention picks {picks}); {gb:.3g} GB of "
-                                f"latent + rope per step")  # fmt: skip
+    args.mla_decode_note = (gb, gb_gqa, f"split-K ran {max(n, 2)} splits (mla_attention picks {picks}); "
+                                        f"{gb:.3g} GB of latent + rope per step")  # fmt: skip
 
     def split_k():
         return (mla_attention_metal(*paged, splits=max(n, 2), gpu_cores=args.gpu_cores),)
@@ -305,8 +306,9 @@ def run(args) -> None:
                               if name not in ("pure MLX", "MLX GQA-128 yardstick"))  # fmt: skip
             print(f"{'':>16}   max |output - pure MLX|: {diffs}")
             if make is bench_mla_decode:
-                gb, note = args.mla_decode_note
-                print(f"{'':>16}   {note}: {gb / (times[0] * 1e-3):.1f} GB/s")
+                gb, gb_gqa, note = args.mla_decode_note
+                print(f"{'':>16}   {note}: {gb / (times[0] * 1e-3):.1f} GB/s (yardstick's K + V: "
+                      f"{gb_gqa / (times[-1] * 1e-3):.1f} GB/s)")  # fmt: skip
 
 
 def main(argv=None) -> int:
