@@ -9,15 +9,16 @@
 //   threadgroup (g, b * NS + j): heads g HG ... g HG + HG - 1 (those < H), keys [j KPS, min(S, (j + 1) KPS)).
 //   The split's keys go through threadgroup memory TK at a time: all 32 NSG threads copy a tile of TK latent and rope
 //   rows (contiguous, coalesced), a barrier, then SIMD-group sg scores the tile for its HPS heads sg HPS + k (lane i
-//   owns latent dims i, i + 32, ...; a key's score is a simd_sum, held by lane j for key j of the tile), updates each
-//   head's online softmax (running max / sum / output in registers) and accumulates the tile's rows weighted by the
-//   probabilities (broadcast lane by lane); a second barrier before the next tile overwrites the buffers.
+//   owns latent dims i, i + 32, ...; the lanes' partial dots of the TK keys are summed by one reduce-scatter, after
+//   which lanes j 32 / TK ... (j + 1) 32 / TK - 1 hold key j's score), updates each head's online softmax (running
+//   max / sum / output in registers) and accumulates the tile's rows weighted by the probabilities (broadcast from
+//   a lane holding each key); a second barrier before the next tile overwrites the buffers.
 //   Threadgroup memory: KT tile_c[TK * DL], tile_r[TK * DR], i.e. sizeof(KT) TK (DL + DR) bytes (9,216 at
-//   DL = 512, DR = 64, TK = 8, KT = bfloat16). Registers per thread: HPS (2 EL + ER + 2) floats, EL = DL / 32,
-//   ER = DR / 32 (72 at r = 512, rope 64, HPS = 2). Both, and 32 NSG threads, are checked by the host
+//   DL = 512, DR = 64, TK = 8, KT = bfloat16). Registers per thread: HPS (2 EL + ER + 2) + TK floats, EL = DL / 32,
+//   ER = DR / 32 (80 at r = 512, rope 64, HPS = 2, TK = 8). Both, and 32 NSG threads, are checked by the host
 //   (kimi_mlx/ops/mla_attention_metal.py). Buffer offsets are 64-bit; ints hold positions along one axis.
-// template: QT (q_lat, q_rot), KT (c_kv, k_pe), DL, DR, NSG, HPS (heads per SIMD-group), TK (keys per tile, <= 32),
-//   HAS_MASK
+// template: QT (q_lat, q_rot), KT (c_kv, k_pe), DL, DR, NSG, HPS (heads per SIMD-group), TK (keys per tile, a power
+//   of two <= 32), HAS_MASK
 // inputs:
 //   q_lat  [B, H, DL]  QT     scaled latent queries
 //   q_rot  [B, H, DR]  QT     scaled rope queries
@@ -35,6 +36,8 @@
 constexpr int EL = (DL + 31) / 32;  // latent dims per lane
 constexpr int ER = (DR + 31) / 32;  // rope dims per lane
 constexpr int NT = 32 * NSG;        // threads per threadgroup
+constexpr int SH = TK == 32 ? 0 : TK == 16 ? 1 : TK == 8 ? 2 : TK == 4 ? 3 : TK == 2 ? 4 : 5;  // log2(32 / TK)
+static_assert(TK == 32 || TK == 16 || TK == 8 || TK == 4 || TK == 2 || TK == 1, "TK: a power of two <= 32");
 threadgroup KT tile_c[TK * DL];
 threadgroup KT tile_r[TK * DR];
 
@@ -85,29 +88,47 @@ for (int t0 = s_begin; t0 < s_end; t0 += TK) {
     if (h0 + k >= H) {
       break;  // uniform across the SIMD-group
     }
-    float my_score = -INFINITY;  // lane jj: score of tile key jj (-inf when masked)
-    for (int jj = 0; jj < n; ++jj) {
-      if (HAS_MASK && !mask[first + jj]) {
-        continue;  // uniform across the SIMD-group
-      }
+    // Each lane's partial dots of the tile's keys, then one reduce-scatter across the SIMD-group (recursive halving:
+    // at lane offset 16, 8, ... a lane keeps the half of its keys its offset bit selects and adds its partner's
+    // partials of that half), TK - 1 + log2(32 / TK) shuffles per tile where a simd_sum per key takes 5 TK.
+    // Afterwards lane L holds the full score of key L >> SH (each key on 32 / TK lanes).
+    float v[TK];
+    for (int jj = 0; jj < TK; ++jj) {
       float part = 0.0f;
-      for (int i = 0; i < EL; ++i) {
-        const uint d = lane + 32 * i;
-        if (d < DL) {
-          part += ql[k][i] * static_cast<float>(tile_c[jj * DL + d]);
+      if (jj < n) {  // rows past n were not loaded
+        for (int i = 0; i < EL; ++i) {
+          const uint d = lane + 32 * i;
+          if (d < DL) {
+            part += ql[k][i] * static_cast<float>(tile_c[jj * DL + d]);
+          }
+        }
+        for (int i = 0; i < ER; ++i) {
+          const uint d = lane + 32 * i;
+          if (d < DR) {
+            part += qr[k][i] * static_cast<float>(tile_r[jj * DR + d]);
+          }
         }
       }
-      for (int i = 0; i < ER; ++i) {
-        const uint d = lane + 32 * i;
-        if (d < DR) {
-          part += qr[k][i] * static_cast<float>(tile_r[jj * DR + d]);
+      v[jj] = part;
+    }
+    int width = TK;  // keys still held per lane
+    for (ushort off = 16; off >= 1; off >>= 1) {
+      if (width > 1) {
+        const int hw = width / 2;
+        const bool upper = (lane & off) != 0;
+        for (int i = 0; i < hw; ++i) {
+          const float keep = upper ? v[hw + i] : v[i];
+          const float give = upper ? v[i] : v[hw + i];
+          v[i] = keep + simd_shuffle_xor(give, off);
         }
-      }
-      const float sc = simd_sum(part);
-      if (lane == (uint)jj) {
-        my_score = sc;
+        width = hw;
+      } else {
+        v[0] += simd_shuffle_xor(v[0], off);
       }
     }
+    const int key = int(lane >> SH);  // the tile key whose score this lane holds
+    const bool visible = key < n && (!HAS_MASK || mask[first + key]);
+    const float my_score = visible ? v[0] : -INFINITY;
     const float tile_max = simd_max(my_score);
     if (tile_max == -INFINITY) {
       continue;  // no visible key in this tile
@@ -115,12 +136,12 @@ for (int t0 = s_begin; t0 < s_end; t0 += TK) {
     const float m_new = metal::max(m[k], tile_max);
     const float alpha = metal::exp(m[k] - m_new);  // 0 while nothing was seen (m = -inf)
     const float p = metal::exp(my_score - m_new);  // 0 for masked keys and lanes past n
-    l[k] = l[k] * alpha + simd_sum(p);
+    l[k] = l[k] * alpha + simd_sum((lane & ((1u << SH) - 1)) == 0 ? p : 0.0f);  // each key once
     for (int i = 0; i < EL; ++i) {
       o[k][i] *= alpha;
     }
     for (int jj = 0; jj < n; ++jj) {
-      const float pj = simd_broadcast(p, (ushort)jj);
+      const float pj = simd_broadcast(p, (ushort)(jj << SH));
       if (pj == 0.0f) {
         continue;  // uniform: masked (or underflowed) key
       }

@@ -27,10 +27,11 @@ SPLIT, REDUCE, ONE_PASS = "kimi_mla_decode_split", "kimi_mla_decode_reduce", "ki
 
 CASES = {
     # name: (B, H, S, widths, pad, splits, simdgroups, keys_per_tile): widths None = one array
-    "one-split": (1, 2, 45, None, None, 1, 1, 8),
+    "one-split": (1, 2, 45, None, None, 1, 1, 32),
     "7-splits-partial-tiles": (1, 3, 77, None, None, 7, 1, 8),
     "B2-padding-hides-the-first-splits": (2, 3, 77, None, [0, 60], 9, 2, 4),
-    "a-split-per-key": (1, 2, 20, None, [3], 20, 1, 32),
+    "a-split-per-key": (1, 2, 20, None, [3], 20, 1, 1),
+    "tiles-of-2": (1, 2, 37, None, [5], 3, 1, 2),
     "pages-split-inside-each": (1, 4, 90, [40, 37, 13], None, 6, 2, 8),
     "B2-pages-padding-covers-a-page": (2, 2, 80, [32, 32, 16], [0, 40], 5, 1, 16),
 }
@@ -49,14 +50,17 @@ def _args(B, H, S, widths, pad, dtype=mx.float32, r=64, dr=32, dn=32, seed=0):
 
 @pytest.mark.parametrize("case", CASES)
 def test_split_decode_matches_pure_path(case, kernels):
-    """float32 within 1e-5 of the pure blockwise path (absorbed and expanded): one to one-per-key splits, tiles
-    shorter than ``keys_per_tile`` at a split's end, splits a padded row cannot see (m = -inf, l = 0 partials),
-    heads not a multiple of a threadgroup's, and pages whose splits end inside them (one split launch per page,
-    one reduce over all their partials)."""
+    """float32 within 1e-5 of the pure blockwise path (absorbed and expanded): one to one-per-key splits, every tile
+    size (1 to 32 keys: the reduce-scatter of the scores at every depth) with tiles shorter than ``keys_per_tile`` at
+    a split's end, splits a padded row cannot see (m = -inf, l = 0 partials), heads not a multiple of a
+    threadgroup's, and pages whose splits end inside them (one split launch per page, one reduce over all their
+    partials). The kernels give the latent output; ``unembed_out`` maps it as ``mla_attention_metal`` does."""
     B, H, S, widths, pad, splits, sg, tk = CASES[case]
     args, whole = _args(B, H, S, widths, pad)
+    q_nope, q_pe, cs, krs, embed_q, unembed_out, scale, mask = args
     with kernels.active():
-        got = mla_attention_metal(*args, splits=splits, simdgroups=sg)
+        got = unembed_out(mla_latent_attention_split(embed_q(q_nope) * scale, q_pe * scale, cs, krs, mask,
+                                                     splits=splits, simdgroups=sg, keys_per_tile=tk))  # fmt: skip
         mx.eval(got)
     assert kernels.launched == [SPLIT] * len(widths or [S]) + [REDUCE]
     for absorbed in (True, False):
@@ -263,8 +267,9 @@ def test_bad_arguments_are_errors(kernels):
             mla_latent_attention_split(q_lat, q_pe, [c[:, :, :10], c[:, :, 10:]], [kr[:, :, :10]], splits=2)
         with pytest.raises(ValueError, match="splits must be >= 1"):
             mla_latent_attention_split(q_lat, q_pe, c, kr, splits=0)
-        with pytest.raises(ValueError, match="keys_per_tile must be in 1..32"):
-            mla_latent_attention_split(q_lat, q_pe, c, kr, splits=2, keys_per_tile=64)
+        for tk in (64, 12):
+            with pytest.raises(ValueError, match="keys_per_tile must be a power of two up to 32"):
+                mla_latent_attention_split(q_lat, q_pe, c, kr, splits=2, keys_per_tile=tk)
     wide, _ = _args(1, 20, 20, None, None)
     with kernels.active():
         with pytest.raises(ValueError, match=r"mla_decode_split: simdgroups=17.* 544 threads"):

@@ -57,7 +57,7 @@ for _name in (DECODE_KERNEL, PREFILL_KERNEL, SPLIT_KERNEL, REDUCE_KERNEL):
 
 _IO_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 DEFAULT_SIMDGROUPS = 8
-DEFAULT_HEADS_PER_SIMDGROUP = 2  # split kernel: HPS (2 EL + ER + 2) = 72 float registers per thread at r = 512
+DEFAULT_HEADS_PER_SIMDGROUP = 2  # split kernel: HPS (2 EL + ER + 2) + TK = 80 float registers per thread at r = 512
 DEFAULT_GPU_CORES = 32  # Apple GPU cores assumed by decode_splits (M1/M2/M3/M4 Max: 32-40; base chips 8-10)
 THREADGROUPS_PER_CORE = 4  # split-K decode aims at this many threadgroups per core (latency hiding)
 MIN_KEYS_PER_SPLIT = 256  # a split's partial ([HG, r] float32) stays ~1/10 of its latent rows' bytes (bfloat16)
@@ -78,8 +78,9 @@ def split_threadgroup_bytes(keys_per_tile: int, r: int, dr: int, itemsize: int) 
 
 
 def split_keys_per_tile(r: int, dr: int, itemsize: int) -> int:
-    """Default keys per tile of ``mla_decode_split``: the largest power of two up to 32 (one key per lane) whose tile
-    fits ``TILE_BUDGET_BYTES`` (at r = 512, dr = 64: 8 for bfloat16 / float16 caches, 4 for float32; 1 at least)."""
+    """Default keys per tile of ``mla_decode_split``: the largest power of two up to 32 (a SIMD-group's lanes) whose
+    tile fits ``TILE_BUDGET_BYTES`` (at r = 512, dr = 64: 8 for bfloat16 / float16 caches, 4 for float32; 1 at
+    least)."""
     tk = 32
     while tk > 1 and split_threadgroup_bytes(tk, r, dr, itemsize) > TILE_BUDGET_BYTES:
         tk //= 2
@@ -224,8 +225,8 @@ def _split_settings(q_lat, q_rot, cs: list, pes: list, splits: int, simdgroups: 
         raise ValueError(f"mla_latent_attention_split: simdgroups must be >= 1, got {simdgroups}")
     size = cs[0].dtype.size
     tk = split_keys_per_tile(r, dr, size) if keys_per_tile is None else keys_per_tile
-    if not 1 <= tk <= 32:
-        raise ValueError(f"mla_latent_attention_split: keys_per_tile must be in 1..32 (one key per lane), got {tk}")
+    if tk not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"mla_latent_attention_split: keys_per_tile must be a power of two up to 32, got {tk}")
     metal.check_threadgroup(SPLIT_KERNEL, f"simdgroups={nsg}, keys_per_tile={tk}", 32 * nsg,
                             split_threadgroup_bytes(tk, r, dr, size),
                             f"at most {metal.MAX_THREADS_PER_THREADGROUP // 32} SIMD-groups and "
@@ -253,7 +254,7 @@ def mla_latent_attention_split(
     count can pass ``splits`` by up to the number of segments minus one); one ``mla_decode_split`` launch per segment
     writes every (head, split) partial state, one ``mla_decode_reduce`` launch merges them. ``simdgroups`` (default
     8, at most ``ceil(H / heads_per_simdgroup)``) times ``heads_per_simdgroup`` (default 2) heads per threadgroup;
-    ``keys_per_tile`` (<= 32; default ``split_keys_per_tile``) keys staged at a time. Mask as
+    ``keys_per_tile`` (a power of two up to 32; default ``split_keys_per_tile``) keys staged at a time. Mask as
     ``mla_latent_attention_metal`` (T = 1). ``with_lse``: also each row's log-sum-exp ``[B, H, 1]`` float32."""
     cs, pes = segments(kv_latent), segments(k_pe)
     nsg, hps, tk = _split_settings(q_lat, q_rot, cs, pes, splits, simdgroups, heads_per_simdgroup, keys_per_tile)
