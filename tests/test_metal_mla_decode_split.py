@@ -279,3 +279,25 @@ def test_bad_arguments_are_errors(kernels):
     too_big = r"mla_decode_split: .*keys_per_tile=16 asks for 36864 bytes"
     with kernels.active(), pytest.raises(ValueError, match=too_big):
         mla_latent_attention_split(real[4](real[0]), real[1], real[2], real[3], splits=2, keys_per_tile=16)
+
+
+@pytest.mark.parametrize("fixture", ["kl_model", "k3_model"])
+def test_model_decode_through_the_split_kernels(fixture, kernels, request, monkeypatch):
+    """The tiny Kimi Linear and K3 reference checkpoints with every decode step split 3 ways (``decode_splits``
+    patched: their caches are far shorter than the switch), including a left-padded batch's decode: the same logits
+    as the pure forward (``test_metal_model``'s calls and tolerance)."""
+    from test_metal_model import TOL, _forward
+
+    import kimi_mlx.ops.mla_attention_metal as mla_metal
+
+    model = request.getfixturevalue(fixture)
+    monkeypatch.setattr(mla_metal, "decode_splits", lambda B, H, S, **kw: 3)
+    with metal.disabled():
+        ref = _forward(model)
+    with kernels.active():
+        got = _forward(model)
+    assert kernels.launched.count(SPLIT) >= 2 and ONE_PASS not in kernels.launched
+    for name, g, r in zip(("prefill", "cached prefill", "decode", "ragged prefill", "ragged decode"), got, ref):
+        err = float(mx.abs(g - r).max())
+        assert err <= TOL, f"{fixture} {name}: max |logit difference| {err:.3g} > {TOL}"
+    kernels.assert_clean()
