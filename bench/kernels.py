@@ -18,6 +18,14 @@ mlx-lm's ``kimi_k3._attn_res_mix`` (its own kernel).
 MLA attention (B=1, ``--mla-heads`` heads, r=512, dr=64, dn=dv=128: a T-query causal chunk, T=1 a decode step,
 against a latent cache of ``--mla-context`` keys; T <= 512): ``mla_attention_metal`` (``mla_decode`` / ``mla_prefill``), the
 pure blockwise absorbed and expanded paths (``mla_attention`` with 2048-key blocks).
+MLA decode (B = ``--mla-batch``, one query per row, against each of ``--mla-decode-contexts`` cached keys, in
+4096-key pages as the paged cache holds them): the split-K decode (``mla_decode_split`` + ``mla_decode_reduce``, the
+splits ``decode_splits`` picks for ``--gpu-cores``, shown in the row label), the one-pass ``mla_decode``, MLX's
+``mx.fast.scaled_dot_product_attention`` on the same absorbed op (``mla_paths.fused``: latent queries against the
+latent as one shared key/value head of dim r, rope scores as an additive mask; MLX's fused vector kernels take head
+dims up to 256, so at r = 512 this is its unfused fallback), and a yardstick: MLX's own decode kernel (sdpa_vector,
+2-pass for long keys) on a GQA decode of the same heads over 2 KV heads of dim 128 (K + V = S x 512 elements, about
+the latent's S x 576). Under each row the split-K kernel's effective rate (latent + rope bytes read once / time).
 GGML blocks (``--ggml-type``, default IQ2_XXS, weight ``--ggml-rows`` x ``--ggml-cols``, x [T, cols]): ``ggml_matmul``
 with the kernels (``ggml_matvec`` up to MATVEC_MAX_ROWS rows, else ``ggml_dequant`` chunks + MLX's GEMM), without
 (pure MLX), and MLX's ``quantized_matmul`` on the same weights requantized to affine 3-bit g32 (the lossy
@@ -46,7 +54,8 @@ from kimi_mlx.ops.kda_chunked import kda_chunked
 from kimi_mlx.ops.kda_chunked_metal import kda_chunked_metal
 from kimi_mlx.ops.kda_recurrent_metal import kda_recurrent_metal
 from kimi_mlx.ops.mla_attention import mla_attention
-from kimi_mlx.ops.mla_attention_metal import mla_attention_metal
+from kimi_mlx.ops.mla_attention_metal import DEFAULT_GPU_CORES, decode_splits, mla_attention_metal
+from kimi_mlx.ops.mla_paths import fused
 
 
 def timeit(fn, reps: int) -> float:
@@ -190,6 +199,53 @@ def bench_mla(T, args, dtype):
             "pure expanded": lambda: pure(False)}  # fmt: skip
 
 
+def bench_mla_decode(S, args, dtype):
+    """One decode step against S cached keys in pages of ``args.mla_page`` (see the module docstring)."""
+    from mlx_lm.models.mla import MultiLinear
+
+    mx.random.seed(0)
+    B, H, r, dr, dn = args.mla_batch, args.mla_heads, args.mla_rank, args.mla_rope, args.mla_nope
+    q_nope, q_pe = mx.random.normal((B, H, 1, dn)).astype(dtype), mx.random.normal((B, H, 1, dr)).astype(dtype)
+    c, kr = mx.random.normal((B, 1, S, r)).astype(dtype), mx.random.normal((B, 1, S, dr)).astype(dtype)
+    cuts = list(range(0, S, args.mla_page)) + [S]
+    pages = [mx.contiguous(c[:, :, a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+    rope_pages = [mx.contiguous(kr[:, :, a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+    embed_q, unembed_out = MultiLinear(dn, r, H), MultiLinear(r, dv := dn, H)
+    embed_q.set_dtype(dtype)
+    unembed_out.set_dtype(dtype)
+    scale = (dn + dr) ** -0.5
+    kv_heads = 2  # the yardstick's GQA: K + V = 2 x 2 x 128 = 512 elements per key
+    q_g = mx.random.normal((B, H, 1, 128)).astype(dtype)
+    k_g, v_g = (mx.random.normal((B, kv_heads, S, 128)).astype(dtype) for _ in range(2))
+    mx.eval(q_nope, q_pe, pages, rope_pages, c, kr, q_g, k_g, v_g, embed_q.parameters(), unembed_out.parameters())
+    paged = (q_nope, q_pe, pages, rope_pages, embed_q, unembed_out, scale, None)
+    n = decode_splits(B, H, S, gpu_cores=args.gpu_cores)
+    gb = (S * (r + dr) * B * dtype.size) / 1e9  # latent + rope, read once per step
+    gb_gqa = (S * 2 * kv_heads * 128 * B * dtype.size) / 1e9  # the yardstick's K + V
+    picks = f"{n} splits" if n else "one-pass mla_decode"
+    args.mla_decode_note = (gb, gb_gqa, f"split-K ran {max(n, 2)} splits (mla_attention picks {picks}); "
+                                        f"{gb:.3g} GB of latent + rope per step")  # fmt: skip
+
+    def split_k():
+        return (mla_attention_metal(*paged, splits=max(n, 2), gpu_cores=args.gpu_cores),)
+
+    def one_pass():
+        return (mla_attention_metal(*paged, splits=0),)
+
+    def mlx_sdpa():
+        return (fused(q_nope, q_pe, c, kr, embed_q, unembed_out, scale, None, absorbed=True),)
+
+    def pure():
+        with metal.disabled():
+            return (mla_attention(*paged),)
+
+    def yardstick():
+        return (mx.fast.scaled_dot_product_attention(q_g, k_g, v_g, scale=128**-0.5)[..., :dv],)
+
+    return {"split-K kernels": split_k, "one-pass mla_decode": one_pass, "mx.fast sdpa": mlx_sdpa,
+            "pure MLX": pure, "MLX GQA-128 yardstick": yardstick}  # fmt: skip
+
+
 def bench_ggml(T, args, dtype):
     import warnings
     from pathlib import Path
@@ -231,6 +287,8 @@ def run(args) -> None:
         ("KDA chunked prefill, prepared inputs", bench_kda_chunked, [T for T in args.T if T > RECURRENT_MAX_T]),
         ("AttnRes mix", bench_attn_res, args.T),
         (f"MLA attention against {args.mla_context} cached keys", bench_mla, [T for T in args.T if T <= 512]),
+        (f"MLA decode, batch {args.mla_batch}, {args.mla_heads} heads (rows: cached keys S)", bench_mla_decode,
+         args.mla_decode_contexts),
         (f"GGML {args.ggml_type} matmul, weight {args.ggml_rows} x {args.ggml_cols}", bench_ggml, args.T),
     )
     for title, make, Ts in sections:
@@ -239,13 +297,18 @@ def run(args) -> None:
         for T in Ts:
             fns = make(T, args, dtype)
             if header is None:
-                header = ["T"] + list(fns)
+                header = ["S" if make is bench_mla_decode else "T"] + list(fns)
                 print(" | ".join(f"{h:>16}" for h in header))
             times = [timeit(fn, args.reps) for fn in fns.values()]
             print(" | ".join([f"{T:>16}"] + [f"{t:16.3f}" for t in times]))
             ref = fns["pure MLX"]()[0]
-            diffs = ", ".join(f"{name} {max_diff(fn()[0], ref):.2g}" for name, fn in fns.items() if name != "pure MLX")
+            diffs = ", ".join(f"{name} {max_diff(fn()[0], ref):.2g}" for name, fn in fns.items()
+                              if name not in ("pure MLX", "MLX GQA-128 yardstick"))  # fmt: skip
             print(f"{'':>16}   max |output - pure MLX|: {diffs}")
+            if make is bench_mla_decode:
+                gb, gb_gqa, note = args.mla_decode_note
+                print(f"{'':>16}   {note}: {gb / (times[0] * 1e-3):.1f} GB/s (yardstick's K + V: "
+                      f"{gb_gqa / (times[-1] * 1e-3):.1f} GB/s)")  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -260,6 +323,12 @@ def main(argv=None) -> int:
     ap.add_argument("--mla-rank", type=int, default=512, help="MLA kv_lora_rank (latent dims)")
     ap.add_argument("--mla-rope", type=int, default=64, help="MLA qk_rope_head_dim")
     ap.add_argument("--mla-nope", type=int, default=128, help="MLA qk_nope_head_dim (= v_head_dim here)")
+    ap.add_argument("--mla-batch", type=int, default=1, help="MLA decode: sequences per step")
+    ap.add_argument("--mla-decode-contexts", default="1024,4096,16384,32768,131072",
+                    help="MLA decode: comma-separated cached key counts")
+    ap.add_argument("--mla-page", type=int, default=4096, help="MLA decode: keys per cache page (segment)")
+    ap.add_argument("--gpu-cores", type=int, default=DEFAULT_GPU_CORES,
+                    help="GPU cores for the split-K decode's split count (decode_splits)")
     ap.add_argument("--ggml-type", default="IQ2_XXS", help="GGML block type of the GGML matmul section")
     ap.add_argument("--ggml-rows", type=int, default=4096, help="GGML weight rows (outputs)")
     ap.add_argument("--ggml-cols", type=int, default=7168, help="GGML weight columns (inputs; a multiple of 256)")
@@ -268,6 +337,7 @@ def main(argv=None) -> int:
     ap.add_argument("--emulator", help="path to metal_emu: run every path once on tiny shapes (no real timings)")
     args = ap.parse_args(argv)
     args.T = [int(t) for t in args.T.split(",")]
+    args.mla_decode_contexts = [int(s) for s in args.mla_decode_contexts.split(",")]
 
     if args.emulator:
         sys.path.insert(0, args.emulator)
@@ -278,6 +348,7 @@ def main(argv=None) -> int:
         # held to the launch limits
         args.T, args.H, args.D, args.K, args.d, args.reps = [1, 70], 1, 128, 2, 64, 1
         args.mla_heads, args.mla_context, args.mla_rank, args.mla_rope, args.mla_nope = 2, 40, 512, 64, 128
+        args.mla_decode_contexts, args.mla_page = [600], 256  # 2 splits over 3 pages
         args.ggml_rows, args.ggml_cols = 40, 512
         limits = {"max_threads_per_threadgroup": metal.MAX_THREADS_PER_THREADGROUP,
                   "max_threadgroup_memory": metal.MAX_THREADGROUP_MEMORY}  # fmt: skip

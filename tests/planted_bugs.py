@@ -981,6 +981,12 @@ BUGS: tuple[PlantedBug, ...] = (
           "        if self.paying >= 1:"),),
         ("tests/test_speculative.py::test_draft_length_at_zero_acceptance_backs_off_exponentially",),
     ),
+    PlantedBug(
+        "MLA Metal: the split-K reduce ignores each split's max (partials summed without the rescale)",
+        (("metal_kernels/mla_decode_reduce.metal", "const float w = metal::exp(m_part[row * NS + j] - top);",
+          "const float w = 1.0f;"),),
+        ("tests/test_metal_mla_decode_split.py",),
+    ),
 )
 
 

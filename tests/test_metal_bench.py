@@ -29,6 +29,10 @@ def test_bench_runs_every_path(tmp_path):
         "2",
         "--mla-context",
         "40",
+        "--mla-decode-contexts",
+        "600",
+        "--mla-page",
+        "256",
         "--ggml-rows",
         "40",
         "--ggml-cols",
@@ -46,12 +50,17 @@ def test_bench_runs_every_path(tmp_path):
         "chunked kernels",
         "pure expanded",
         "affine 3-bit",
+        "split-K kernels",
+        "one-pass mla_decode",
+        "mx.fast sdpa",
+        "MLX GQA-128 yardstick",
     ):
         assert row in r.stdout, r.stdout
     assert len([ln for ln in r.stdout.splitlines() if ln.strip().startswith("70 |")]) == 5, r.stdout
     # every timed row is followed by each path's max |output - pure MLX| (bf16 inputs): the paths compute the same op
     parity = [ln.split(":", 1)[1] for ln in r.stdout.splitlines() if "max |output - " in ln]
-    assert len(parity) == 9, r.stdout
+    assert len(parity) == 10, r.stdout
+    assert "split-K ran 2 splits (mla_attention picks 2 splits)" in r.stdout, r.stdout
     for ln in parity:
         for item in ln.split(","):
             name, value = item.rsplit(" ", 1)

@@ -2,7 +2,8 @@
 shapes and conventions there; the Metal kernels: ``ops/mla_attention_metal.py``).
 
 - Metal on (``kimi_mlx.metal.enabled()``), absorbed, float keys: ``mla_attention_metal``, one kernel launch per key
-  segment whatever its length, with ``absorbed_blocks``' gradients;
+  segment whatever its length (a long cache's decode step: the split-K kernels, one launch per segment and one
+  reduce, ``decode_splits``), with ``absorbed_blocks``' gradients;
 - one float segment of at most ``key_block`` keys: ``fused`` (one ``scaled_dot_product_attention`` call), absorbed up
   to ``FUSED_ABSORBED_MAX_QUERIES`` queries (decode, a verify pass: expanding the segment per head for a few queries
   costs more than the attention), expanded beyond;
