@@ -101,9 +101,10 @@ def test_prep_kernel_equals_intra_chunk(strict_kernels):
     with strict_kernels.active():
         got = metal.kernel(PREP_KERNEL)(
             inputs=[q, k, v, g, beta, mx.array(mask), 29, t0, t1],
-            template=[("QT", q.dtype), ("KT", k.dtype), ("VT", v.dtype), ("C", C), ("Dk", 64), ("Dv", 64), ("H", 2)],
-            grid=(32, N, 4),
-            threadgroup=(32, 1, 1),
+            template=[("QT", q.dtype), ("KT", k.dtype), ("VT", v.dtype), ("C", C), ("Dk", 64), ("Dv", 64), ("H", 2),
+                      ("SG", 3), ("BK", 32), ("BV", 64)],  # fmt: skip
+            grid=(96, N, 4),
+            threadgroup=(96, 1, 1),
             output_shapes=[(N, 2, 2, 2 * C, 64), (N, 2, 2, 2 * C, 64), (N, 2, 2, C, 64), (N, 2, 2, 64)],
             output_dtypes=[mx.float32] * 4,
         )
