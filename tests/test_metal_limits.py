@@ -164,6 +164,27 @@ def test_attn_res_at_k3_width(kernels):
     kernels.assert_clean()
 
 
+@pytest.mark.parametrize("cfg", [KL, K3], ids=["kl", "k3"])
+def test_kda_chunked_prep_every_head(cfg, kernels):
+    """The chunked prefill's launch at full width: all 32 (Kimi Linear) / 96 (K3) KDA heads of 128, one chunk of 16
+    (the default chunk) and a partial one: prep grid (128, 2, H), threadgroup (128, 1, 1) with 27,712 bytes (one
+    slab of 128 channels), every output element written (the emulator's unwritten-output check) and equal to the
+    pure path."""
+    H, D = cfg.kda_num_heads, cfg.kda_head_dim
+    args = chunked_inputs(15, 1, 21, H, D, D, pad=(2,))
+    with kernels.active():
+        got = kda_chunked_metal(*args, chunk_size=16)
+        mx.eval(got)
+    with metal.disabled():
+        ref = kda_chunked(*args, chunk_size=16)
+    assert_matches(got[0], ref[0], "o")
+    assert_matches(got[1], ref[1], "state")
+    assert kernels.grids[0] == (128, 2, H) and kernels.threadgroups[0] == (128, 1, 1)
+    if kernels.name == "emulator":
+        assert _launched_bytes(kernels, "kimi_kda_chunked_prep") == [prep_threadgroup_bytes(16, 128)] == [27712]
+    kernels.assert_clean()
+
+
 def test_settings_above_what_a_kernel_needs_are_capped(kernels):
     """More SIMD-groups / rows / threads than a kernel has work for are capped (MLX checks the uncapped threadgroup
     against the pipeline's limit): the launches ask for what the grid holds and equal the pure paths."""
