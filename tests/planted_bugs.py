@@ -975,6 +975,12 @@ BUGS: tuple[PlantedBug, ...] = (
           "all(r.length is not None"),),
         ("tests/test_scheduler_speculative.py::test_max_tokens_and_the_reasoning_budget_cap_the_pass",),
     ),
+    PlantedBug(
+        "KDA chunked prep kernel: no barrier between staging a slab of rows and other SIMD-groups reading them",
+        (("metal_kernels/kda_chunked_prep.metal", "      threadgroup_barrier(mem_flags::mem_threadgroup);\n    }\n    if (pass == 0) {",
+          "    }\n    if (pass == 0) {"),),
+        ("tests/test_metal_kda_chunked.py::test_real_head_dims",),
+    ),
 )
 
 
