@@ -23,12 +23,15 @@
 //      block per job) are spread over the SIMD-groups, read from threadgroup memory, stored to device memory.
 //   5. Per slab of BV channels of v (staged into the same buffer): tiles of uo = [Lb V; M V] likewise.
 // A threadgroup_barrier separates every write of a threadgroup array from reads by other threads (and every read
-// from the next overwrite). Threadgroup memory, floats: 3 C^2 (aqk, akk_m, lb) + C (beta) + 3 C BK (the slab);
-// kda_chunked_metal.prep_threadgroup_bytes is the same formula. At Dk = Dv = 128: C = 8, BK = 128: 13,088 bytes;
-// C = 16, BK = 128: 27,712 bytes; C = 32, BK = 32: 24,704 bytes (within Metal's 32 KB).
+// from the next overwrite). Rows of the threadgroup arrays are padded by 4 floats (LDC = C + 4, LDS = BK + 4,
+// LDV = BV + 4), so the 8 rows of an 8x8 tile start 4 banks apart and a tile load touches each of 32 banks twice
+// (unpadded, rows of 16, 32 or 128 floats would put the 8 rows on the same 8 banks). Threadgroup memory, floats:
+// 3 C LDC (aqk, akk_m, lb) + C (beta) + 3 C LDS (the slab); kda_chunked_metal.prep_threadgroup_bytes is the same
+// formula. At Dk = Dv = 128: C = 8, BK = 128: 13,856 bytes; C = 16, BK = 128: 29,248 bytes; C = 32, BK = 32:
+// 27,776 bytes (within Metal's 32 KB).
 // Buffer offsets are 64-bit (size_t); ints hold positions along one axis (tokens < 2^31).
 // Template: QT, KT, VT (q, k, v dtypes), C (8, 16 or 32), Dk, Dv, H, SG (SIMD-groups), BK (a multiple of 32
-// dividing Dk), BV (a multiple of 8 dividing Dv, at most 3 BK).
+// dividing Dk), BV (a multiple of 8 dividing Dv, at most 3 BK: C LDV <= 3 C LDS).
 // Inputs:
 //   q, k  [B, T, H, Dk] QT, KT   q L2-normalised and pre-scaled by Dk^-0.5, k L2-normalised
 //   v     [B, T, H, Dv] VT
@@ -44,14 +47,17 @@
 constexpr int NT = 32 * SG;    // threads per threadgroup
 constexpr int RB = C / 8;      // 8-row blocks of a chunk
 constexpr int NL = BK / 32;    // channels of a slab per lane (step 1)
-constexpr int QS = 0;          // slab offsets in `slab`: q rows [C, BK], then k rows, then alpha rows
-constexpr int KS = C * BK;
-constexpr int AS = 2 * C * BK;
-threadgroup float aqk[C * C];    // Aqk (zero above the diagonal)
-threadgroup float akk_m[C * C];  // Akk (zero on and above the diagonal), then M = Aqk Lb
-threadgroup float lb[C * C];     // Lb = (I + Akk)^-1 diag(beta)
-threadgroup float bet[C];        // beta, 0 at masked and padding tokens
-threadgroup float slab[3 * C * BK];
+constexpr int LDC = C + 4;     // row strides (floats) of the C x C arrays, the slab, the v slab
+constexpr int LDS = BK + 4;
+constexpr int LDV = BV + 4;
+constexpr int QS = 0;          // slab offsets in `slab`: q rows [C, LDS], then k rows, then alpha rows
+constexpr int KS = C * LDS;
+constexpr int AS = 2 * C * LDS;
+threadgroup float aqk[C * LDC];    // Aqk (zero above the diagonal)
+threadgroup float akk_m[C * LDC];  // Akk (zero on and above the diagonal), then M = Aqk Lb
+threadgroup float lb[C * LDC];     // Lb = (I + Akk)^-1 diag(beta)
+threadgroup float bet[C];          // beta, 0 at masked and padding tokens
+threadgroup float slab[3 * C * LDS];
 
 const uint tid = thread_position_in_threadgroup.x;
 const uint sg = tid / 32;
@@ -77,7 +83,7 @@ auto uo_ = uo + cb * (2 * C * Dv);
 auto kg_ = kg + cb * (C * Dk);
 auto decay_ = decay + cb * Dk;
 
-for (uint e = tid; e < C * C; e += NT) {
+for (uint e = tid; e < C * LDC; e += NT) {
   aqk[e] = 0.0f;
   akk_m[e] = 0.0f;
 }
@@ -98,13 +104,14 @@ for (int pass = 0; pass < 2; ++pass) {
       // Stage the slab: rows m < C, channels s0 .. s0 + BK.
       for (uint e = tid; e < C * BK; e += NT) {
         const int m = e / BK;
+        const int c = e % BK;
         const int t = ts + m;
         const bool valid = t < t1;
         const bool live = valid && mask_[t];
-        const size_t at = size_t(valid ? t : 0) * row_k + s0 + e % BK;
-        slab[QS + e] = valid ? float(q_[at]) : 0.0f;
-        slab[KS + e] = valid ? float(k_[at]) : 0.0f;
-        slab[AS + e] = live ? metal::exp(g_[at]) : 1.0f;
+        const size_t at = size_t(valid ? t : 0) * row_k + s0 + c;
+        slab[QS + m * LDS + c] = valid ? float(q_[at]) : 0.0f;
+        slab[KS + m * LDS + c] = valid ? float(k_[at]) : 0.0f;
+        slab[AS + m * LDS + c] = live ? metal::exp(g_[at]) : 1.0f;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
@@ -116,30 +123,30 @@ for (int pass = 0; pass < 2; ++pass) {
         float r[NL];
         float p = 0.0f;
         for (int c = 0; c < NL; ++c) {
-          qi[c] = slab[QS + i * BK + c * 32 + lane];
-          ki[c] = slab[KS + i * BK + c * 32 + lane];
+          qi[c] = slab[QS + i * LDS + c * 32 + lane];
+          ki[c] = slab[KS + i * LDS + c * 32 + lane];
           r[c] = 1.0f;
           p += qi[c] * ki[c];
         }
         p = simd_sum(p);
         if (lane == 0) {
-          aqk[i * C + i] += p;
+          aqk[i * LDC + i] += p;
         }
         const float bi = bet[i];
         for (int j = i - 1; j >= 0; --j) {
           float pq = 0.0f;
           float pk = 0.0f;
           for (int c = 0; c < NL; ++c) {
-            r[c] *= slab[AS + (j + 1) * BK + c * 32 + lane];
-            const float kr = slab[KS + j * BK + c * 32 + lane] * r[c];
+            r[c] *= slab[AS + (j + 1) * LDS + c * 32 + lane];
+            const float kr = slab[KS + j * LDS + c * 32 + lane] * r[c];
             pq += qi[c] * kr;
             pk += ki[c] * kr;
           }
           pq = simd_sum(pq);
           pk = simd_sum(pk);
           if (lane == 0) {
-            aqk[i * C + j] += pq;
-            akk_m[i * C + j] += bi * pk;
+            aqk[i * LDC + j] += pq;
+            akk_m[i * LDC + j] += bi * pk;
           }
         }
       }
@@ -149,14 +156,14 @@ for (int pass = 0; pass < 2; ++pass) {
       for (uint c = tid; c < BK; c += NT) {
         float gam = 1.0f;
         for (int m = C - 1; m >= 0; --m) {
-          kg_[m * Dk + s0 + c] = slab[KS + m * BK + c] * gam;
-          gam *= slab[AS + m * BK + c];
+          kg_[m * Dk + s0 + c] = slab[KS + m * LDS + c] * gam;
+          gam *= slab[AS + m * LDS + c];
         }
         gam = 1.0f;
         for (int m = 0; m < C; ++m) {
-          gam *= slab[AS + m * BK + c];
-          slab[KS + m * BK + c] *= gam;
-          slab[QS + m * BK + c] *= gam;
+          gam *= slab[AS + m * LDS + c];
+          slab[KS + m * LDS + c] *= gam;
+          slab[QS + m * LDS + c] *= gam;
         }
         decay_[s0 + c] = gam;
       }
@@ -168,14 +175,14 @@ for (int pass = 0; pass < 2; ++pass) {
         acc0 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         acc1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         for (int mb = 0; mb <= rb; ++mb) {
-          simdgroup_load(rt, slab + KS + mb * 8 * BK + cj * 8, BK);
-          simdgroup_load(lt, lb + rb * 8 * C + mb * 8, C);
+          simdgroup_load(rt, slab + KS + mb * 8 * LDS + cj * 8, LDS);
+          simdgroup_load(lt, lb + rb * 8 * LDC + mb * 8, LDC);
           simdgroup_multiply_accumulate(acc0, lt, rt, acc0);
-          simdgroup_load(lt, akk_m + rb * 8 * C + mb * 8, C);
+          simdgroup_load(lt, akk_m + rb * 8 * LDC + mb * 8, LDC);
           simdgroup_multiply_accumulate(acc1, lt, rt, acc1);
         }
         simdgroup_store(acc0, wq_ + rb * 8 * Dk + s0 + cj * 8, Dk);
-        simdgroup_load(lt, slab + QS + rb * 8 * BK + cj * 8, BK);
+        simdgroup_load(lt, slab + QS + rb * 8 * LDS + cj * 8, LDS);
         lt.thread_elements()[0] -= acc1.thread_elements()[0];
         lt.thread_elements()[1] -= acc1.thread_elements()[1];
         simdgroup_store(lt, wq_ + (C + rb * 8) * Dk + s0 + cj * 8, Dk);
@@ -190,9 +197,9 @@ for (int pass = 0; pass < 2; ++pass) {
       for (int i = 0; i < C; ++i) {
         float x = i == j ? bet[j] : 0.0f;
         for (int m = j; m < i; ++m) {
-          x -= akk_m[i * C + m] * lb[m * C + j];
+          x -= akk_m[i * LDC + m] * lb[m * LDC + j];
         }
-        lb[i * C + j] = x;
+        lb[i * LDC + j] = x;
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -206,21 +213,23 @@ for (int pass = 0; pass < 2; ++pass) {
       }
       acc0 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
       for (int mb = cj; mb <= rb; ++mb) {
-        simdgroup_load(lt, aqk + rb * 8 * C + mb * 8, C);
-        simdgroup_load(rt, lb + mb * 8 * C + cj * 8, C);
+        simdgroup_load(lt, aqk + rb * 8 * LDC + mb * 8, LDC);
+        simdgroup_load(rt, lb + mb * 8 * LDC + cj * 8, LDC);
         simdgroup_multiply_accumulate(acc0, lt, rt, acc0);
       }
-      simdgroup_store(acc0, akk_m + rb * 8 * C + cj * 8, C);
+      simdgroup_store(acc0, akk_m + rb * 8 * LDC + cj * 8, LDC);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 }
 
-// 5. uo = [Lb V; M V], slab by slab of BV channels of v staged into `slab` ([C, BV]).
+// 5. uo = [Lb V; M V], slab by slab of BV channels of v staged into `slab` ([C, LDV]).
 for (int s0 = 0; s0 < Dv; s0 += BV) {
   for (uint e = tid; e < C * BV; e += NT) {
-    const int t = ts + int(e / BV);
-    slab[e] = t < t1 ? float(v_[size_t(t) * row_v + s0 + e % BV]) : 0.0f;
+    const int m = e / BV;
+    const int c = e % BV;
+    const int t = ts + m;
+    slab[m * LDV + c] = t < t1 ? float(v_[size_t(t) * row_v + s0 + c]) : 0.0f;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (int job = sg; job < RB * (BV / 8); job += SG) {
@@ -229,10 +238,10 @@ for (int s0 = 0; s0 < Dv; s0 += BV) {
     acc0 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     acc1 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     for (int mb = 0; mb <= rb; ++mb) {
-      simdgroup_load(rt, slab + mb * 8 * BV + cj * 8, BV);
-      simdgroup_load(lt, lb + rb * 8 * C + mb * 8, C);
+      simdgroup_load(rt, slab + mb * 8 * LDV + cj * 8, LDV);
+      simdgroup_load(lt, lb + rb * 8 * LDC + mb * 8, LDC);
       simdgroup_multiply_accumulate(acc0, lt, rt, acc0);
-      simdgroup_load(lt, akk_m + rb * 8 * C + mb * 8, C);
+      simdgroup_load(lt, akk_m + rb * 8 * LDC + mb * 8, LDC);
       simdgroup_multiply_accumulate(acc1, lt, rt, acc1);
     }
     simdgroup_store(acc0, uo_ + rb * 8 * Dv + s0 + cj * 8, Dv);

@@ -140,12 +140,13 @@ def test_prep_kernel_equals_intra_chunk(strict_kernels, name):
 
 def test_prep_threadgroup_memory_at_real_sizes():
     """Kimi-Linear-48B and K3 (Dk = Dv = 128): the prep kernel's slabs and threadgroup bytes at every chunk size
-    the host takes, by hand: 4 (3 C^2 + C + 3 C BK) bytes within Metal's 32 KB; one slab (inputs read once) at
-    C = 8 and 16, slabs of 32 channels at C = 32 (64 would need 36,992 bytes)."""
-    assert prep_slabs(8, 128, 128) == (128, 128) and prep_threadgroup_bytes(8, 128) == 4 * (192 + 8 + 3072) == 13088
-    assert prep_slabs(16, 128, 128) == (128, 128) and prep_threadgroup_bytes(16, 128) == 4 * (768 + 16 + 6144) == 27712
-    assert prep_slabs(32, 128, 128) == (32, 64) and prep_threadgroup_bytes(32, 32) == 4 * (3072 + 32 + 3072) == 24704
-    assert prep_threadgroup_bytes(32, 64) == 36992 > metal.MAX_THREADGROUP_MEMORY == 32768
+    the host takes, by hand: 4 (3 C (C + 4) + C + 3 C (BK + 4)) bytes within Metal's 32 KB; one slab (inputs read
+    once) at C = 8 and 16, slabs of 32 channels at C = 32 (64 would need 40,064 bytes)."""
+    assert prep_slabs(8, 128, 128) == (128, 128) and prep_threadgroup_bytes(8, 128) == 4 * (288 + 8 + 3168) == 13856
+    assert prep_slabs(16, 128, 128) == (128, 128)
+    assert prep_threadgroup_bytes(16, 128) == 4 * (960 + 16 + 6336) == 29248
+    assert prep_slabs(32, 128, 128) == (32, 64) and prep_threadgroup_bytes(32, 32) == 4 * (3456 + 32 + 3456) == 27776
+    assert prep_threadgroup_bytes(32, 64) == 40064 > metal.MAX_THREADGROUP_MEMORY == 32768
     assert max(prep_threadgroup_bytes(C, prep_slabs(C, 128, 128)[0]) for C in (8, 16, 32)) <= 32768
 
 

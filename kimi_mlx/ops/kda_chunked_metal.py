@@ -45,9 +45,10 @@ PREP_SIMDGROUPS = 4  # SIMD-groups per prep threadgroup (rows of Aqk / Akk and 8
 
 
 def prep_threadgroup_bytes(C: int, BK: int) -> int:
-    """Threadgroup memory of one prep threadgroup, in bytes: ``aqk``, ``akk_m``, ``lb`` (C x C floats each), ``bet``
-    (C floats) and the staged slab (q, k and alpha rows of BK channels: 3 C BK floats)."""
-    return 4 * (3 * C * C + C + 3 * C * BK)
+    """Threadgroup memory of one prep threadgroup, in bytes: ``aqk``, ``akk_m``, ``lb`` (C rows of C + 4 floats each),
+    ``bet`` (C floats) and the staged slab (q, k and alpha rows of BK + 4 floats: 3 C (BK + 4) floats). Rows are
+    padded by 4 floats so that an 8x8 SIMD-group matrix load spreads over all 32 banks."""
+    return 4 * (3 * C * (C + 4) + C + 3 * C * (BK + 4))
 
 
 def prep_slabs(C: int, Dk: int, Dv: int, slab: int | None = None) -> tuple[int, int]:
