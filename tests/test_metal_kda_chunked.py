@@ -151,22 +151,22 @@ def test_prep_threadgroup_memory_at_real_sizes():
 
 
 # Dk = Dv = 128 (both models' KDA heads), 2 heads, ragged batch, T not a multiple of the chunk:
-# (chunk, prep SIMD-groups, q/k/v dtype).
+# (chunk, prep SIMD-groups, q/k/v dtype, fast-decaying heads with steps at g = -1000).
 REAL_DIMS = {
-    "C8_sg4": (8, 4, mx.float32),
-    "C16_sg4": (16, 4, mx.float32),
-    "C16_sg3_bf16": (16, 3, mx.bfloat16),
-    "C32_sg8_four_slabs": (32, 8, mx.float32),
+    "C8_sg4": (8, 4, mx.float32, False),
+    "C16_sg4_fast_decay": (16, 4, mx.float32, True),
+    "C16_sg3_bf16": (16, 3, mx.bfloat16, False),
+    "C32_sg8_four_slabs": (32, 8, mx.float32, False),
 }
 
 
 @pytest.mark.parametrize("name", list(REAL_DIMS))
 def test_real_head_dims(strict_kernels, name):
     """At Dk = Dv = 128 and every chunk size the host takes (SIMD-group counts that do and do not divide the rows
-    of a chunk; bf16 inputs): kernels = both pure paths under the strict checks; the prep launch is grid
+    of a chunk; bf16 inputs; decays down to exp(-1000)): kernels = both pure paths under the strict checks; the prep launch is grid
     (32 SG, N, B H), threadgroup (32 SG, 1, 1) with ``prep_threadgroup_bytes`` of threadgroup memory."""
-    C, sg, dtype = REAL_DIMS[name]
-    args = inputs(14, 2, 2 * C + 5, 2, 128, 128, dtype=dtype, pad=(0, 7))
+    C, sg, dtype, extreme = REAL_DIMS[name]
+    args = inputs(14, 2, 2 * C + 5, 2, 128, 128, dtype=dtype, extreme=extreme, pad=(0, 7))
     with strict_kernels.active():
         got = kda_chunked_metal(*args, chunk_size=C, prep_simdgroups=sg)
         mx.eval(got)
