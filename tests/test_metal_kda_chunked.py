@@ -163,8 +163,9 @@ REAL_DIMS = {
 @pytest.mark.parametrize("name", list(REAL_DIMS))
 def test_real_head_dims(strict_kernels, name):
     """At Dk = Dv = 128 and every chunk size the host takes (SIMD-group counts that do and do not divide the rows
-    of a chunk; bf16 inputs; decays down to exp(-1000)): kernels = both pure paths under the strict checks; the prep launch is grid
-    (32 SG, N, B H), threadgroup (32 SG, 1, 1) with ``prep_threadgroup_bytes`` of threadgroup memory."""
+    of a chunk; bf16 inputs; decays down to exp(-1000)): kernels = both pure paths under the strict checks; the prep
+    launch is grid (32 SG, N, B H), threadgroup (32 SG, 1, 1) with ``prep_threadgroup_bytes`` of threadgroup
+    memory."""
     C, sg, dtype, extreme = REAL_DIMS[name]
     args = inputs(14, 2, 2 * C + 5, 2, 128, 128, dtype=dtype, extreme=extreme, pad=(0, 7))
     with strict_kernels.active():

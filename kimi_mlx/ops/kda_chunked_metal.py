@@ -83,7 +83,7 @@ def _check(
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype not in _IO_DTYPES:
             raise ValueError(f"kda_chunked_metal: {name} dtype {x.dtype} not supported (float32, float16 or bfloat16)")
-    if chunk_size not in (8, 16, 32):  # 8x8 tiles of the chunk; 3 C^2 floats + a slab of threadgroup memory
+    if chunk_size not in (8, 16, 32):  # 8x8 tiles; the C x C matrices and a slab in threadgroup memory
         raise ValueError(f"kda_chunked_metal: chunk_size must be 8, 16 or 32, got {chunk_size}")
     for name, n in (("simdgroups", simdgroups), ("prep_simdgroups", prep_simdgroups)):
         if n < 1:
