@@ -24,8 +24,9 @@
 //   5. Per slab of BV channels of v (staged into the same buffer): tiles of uo = [Lb V; M V] likewise.
 // A threadgroup_barrier separates every write of a threadgroup array from reads by other threads (and every read
 // from the next overwrite). Rows of the threadgroup arrays are padded by 4 floats (LDC = C + 4, LDS = BK + 4,
-// LDV = BV + 4), so the 8 rows of an 8x8 tile start 4 banks apart and a tile load touches each of 32 banks twice
-// (unpadded, rows of 16, 32 or 128 floats would put the 8 rows on the same 8 banks). Threadgroup memory, floats:
+// LDV = BV + 4): assuming 32 four-byte banks, the 8 rows of an 8x8 tile then start on 8 different multiples of 4
+// banks and a tile load touches each bank twice, the least 64 floats can (unpadded, rows of 32 or 128 floats would
+// put all 8 rows on the same 8 banks, rows of 16 on two sets of 8). Threadgroup memory, floats:
 // 3 C LDC (aqk, akk_m, lb) + C (beta) + 3 C LDS (the slab); kda_chunked_metal.prep_threadgroup_bytes is the same
 // formula. At Dk = Dv = 128: C = 8, BK = 128: 13,856 bytes; C = 16, BK = 128: 29,248 bytes; C = 32, BK = 32:
 // 27,776 bytes (within Metal's 32 KB).
