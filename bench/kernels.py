@@ -13,6 +13,11 @@ every timed path):
 - ``mlx-lm``: ``normalize_qk`` + ``gated_delta_update`` (vector gate, its Metal kernel).
 KDA chunked prefill (T > RECURRENT_MAX_T) on prepared inputs: ``kda_chunked_metal`` vs ``kda_chunked`` vs mlx-lm's
 ``gated_delta_kernel``.
+KDA chunked prep kernel alone (T > RECURRENT_MAX_T, chunk 16, one launch over T tokens, prepared inputs): this
+checkout's ``kda_chunked_prep`` (chunk rows staged in threadgroup memory; 4 SIMD-groups and the widest slab by
+default, plus 2 / 8 SIMD-groups and slabs of 64 channels) vs the one-SIMD-group kernel it replaced
+(``bench/baselines/kda_chunked_prep_one_simdgroup.metal``) vs pure MLX ``kda_chunked.intra_chunk``; the header
+prints each kernel's device reads / writes per chunk, counted from its source (``prep_device_traffic``).
 AttnRes (K snapshots of [T, d], default K=8, d=4096): ``attn_res_mix`` with the kernel, without (pure MLX), and
 mlx-lm's ``kimi_k3._attn_res_mix`` (its own kernel).
 MLA attention (B=1, ``--mla-heads`` heads, r=512, dr=64, dn=dv=128: a T-query causal chunk, T=1 a decode step,
@@ -31,7 +36,7 @@ with the kernels (``ggml_matvec`` up to MATVEC_MAX_ROWS rows, else ``ggml_dequan
 (pure MLX), and MLX's ``quantized_matmul`` on the same weights requantized to affine 3-bit g32 (the lossy
 alternative). Every kernel runs with its op's default launch settings, which stay within ``kimi_mlx.metal``'s launch
 limits (``MAX_THREADS_PER_THREADGROUP``, ``MAX_THREADGROUP_MEMORY``) at any size. Times are medians over ``--reps``
-runs after warm-up, in ms;
+runs after warm-up, in ms, the paths of a row interleaved (one run of each per round);
 under each row, every path's max |output - pure MLX| (the paths compute the same op).
 Without Metal (and without ``--emulator``) it says so and exits 0.
 """
@@ -44,30 +49,43 @@ import functools
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
 from kimi_mlx import metal
 from kimi_mlx.ops.attn_res import attn_res_mix, inv_rms
 from kimi_mlx.ops.kda import DEFAULT_CHUNK_SIZE, RECURRENT_MAX_T, kda_gated
-from kimi_mlx.ops.kda_chunked import kda_chunked
-from kimi_mlx.ops.kda_chunked_metal import kda_chunked_metal
+from kimi_mlx.ops.kda_chunked import intra_chunk, kda_chunked
+from kimi_mlx.ops.kda_chunked_metal import (
+    PREP_KERNEL,
+    PREP_SIMDGROUPS,
+    kda_chunked_metal,
+    prep_slabs,
+    prep_threadgroup_bytes,
+)
 from kimi_mlx.ops.kda_recurrent_metal import kda_recurrent_metal
 from kimi_mlx.ops.mla_attention import mla_attention
 from kimi_mlx.ops.mla_attention_metal import DEFAULT_GPU_CORES, decode_splits, mla_attention_metal
 from kimi_mlx.ops.mla_paths import fused
 
 
-def timeit(fn, reps: int) -> float:
-    """Median wall time of ``mx.eval(fn())`` in ms, after two warm-up calls."""
-    mx.eval(fn())
-    mx.eval(fn())
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
+BASELINE_PREP = Path(__file__).resolve().parent / "baselines" / "kda_chunked_prep_one_simdgroup.metal"
+
+
+def timeit(fns, reps: int) -> list[float]:
+    """Median wall time of ``mx.eval(fn())`` in ms for each of ``fns``, after two warm-up calls of each; the
+    functions run interleaved (one call of each per round), so a slow phase of the machine hits all of them."""
+    for fn in fns:
         mx.eval(fn())
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+        mx.eval(fn())
+    ts = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, t_fn in zip(fns, ts):
+            t = time.perf_counter()
+            mx.eval(fn())
+            t_fn.append(time.perf_counter() - t)
+    return [statistics.median(t) * 1e3 for t in ts]
 
 
 def max_diff(a: mx.array, b: mx.array) -> float:
@@ -110,6 +128,90 @@ def bench_kda(T, args, dtype):
     return {"kimi-mlx kernels": ours, "recurrent kernel": recurrent, "pure MLX": pure, "mlx-lm": mlx_lm}
 
 
+def kda_prepared_inputs(T, args, dtype):
+    """(q, k, v, g, beta, state) as ``kda_forward`` takes them: q / k L2-normalised (q scaled by D^-0.5) in ``dtype``,
+    log-decay g and beta float32; B = 1, ``args.H`` heads of ``args.D``."""
+    B, H, D = 1, args.H, args.D
+    q, k, v, f, b, A_log, dt_bias, state = kda_inputs(B, T, H, D, dtype)
+    q = (q * mx.rsqrt((q.astype(mx.float32) ** 2).sum(-1, keepdims=True) + 1e-6) * D**-0.5).astype(dtype)
+    k = (k * mx.rsqrt((k.astype(mx.float32) ** 2).sum(-1, keepdims=True) + 1e-6)).astype(dtype)
+    g = -mx.exp(A_log)[:, None] * mx.logaddexp(f.astype(mx.float32).reshape(B, T, H, D) + dt_bias.reshape(H, D), 0.0)
+    beta = mx.sigmoid(b.astype(mx.float32))
+    mx.eval(q, k, g, beta)
+    return q, k, v, g, beta, state
+
+
+def prep_device_traffic(C: int, Dk: int, Dv: int, BK: int | None = None) -> dict[str, int]:
+    """Device-memory elements one chunk's prep threadgroup loads and stores (q / k / g / v / wq / uo / kg / decay;
+    mask and beta scalars left out), counted from the kernels' sources for a full chunk. ``BK=None``: the
+    one-SIMD-group baseline, which re-reads q, k, g for every (i, j) pair, v for every (i, m <= i), and the wq rows it
+    wrote; else this checkout's kernel with slabs of BK channels (q, k, g read once when BK = Dk, twice otherwise)."""
+    pairs, tri = C * (C - 1) // 2, C * (C + 1) // 2
+    if BK is None:
+        inputs = 2 * C * Dk + 3 * Dk * pairs + 5 * C * Dk + Dv * tri  # step 1, step 4 (fwd + bwd), step 5
+        return {"input reads": inputs, "output reads": Dk * (C + 2 * tri), "writes": 5 * C * Dk + Dk + 2 * C * Dv}
+    passes = 1 if BK == Dk else 2
+    return {"input reads": 3 * C * Dk * passes + C * Dv, "output reads": 0, "writes": 3 * C * Dk + Dk + 2 * C * Dv}
+
+
+def bench_kda_prep(T, args, dtype):
+    """The prep kernel alone over T tokens (chunk DEFAULT_CHUNK_SIZE, one launch, B = 1): this checkout's kernel at
+    several launch settings vs the one-SIMD-group baseline vs pure MLX ``intra_chunk``; the first output (wq) is
+    what the parity line compares."""
+    C, H, D = DEFAULT_CHUNK_SIZE, args.H, args.D
+    q, k, v, g, beta, _ = kda_prepared_inputs(T, args, dtype)
+    mask = mx.ones((1, T), dtype=mx.bool_)
+    N = -(-T // C)
+    shapes = [(N, 1, H, 2 * C, D), (N, 1, H, 2 * C, D), (N, 1, H, C, D), (N, 1, H, D)]
+    base_template = [("QT", dtype), ("KT", dtype), ("VT", dtype), ("C", C), ("Dk", D), ("Dv", D), ("H", H)]
+    kf = metal.parse_kernel_file("kda_chunked_prep_one_simdgroup", BASELINE_PREP.read_text(), str(BASELINE_PREP))
+    old = args.factory(name="kda_chunked_prep_one_simdgroup", input_names=list(kf.input_names),
+                       output_names=list(kf.output_names), source=kf.source, header=kf.header,
+                       ensure_row_contiguous=True)  # fmt: skip
+    new = metal.kernel(PREP_KERNEL)
+
+    def launch(kern, sg, template):
+        return kern(inputs=[q, k, v, g, beta, mask, T, 0, T], template=template, grid=(32 * sg, N, H),
+                    threadgroup=(32 * sg, 1, 1), output_shapes=shapes, output_dtypes=[mx.float32] * 4)  # fmt: skip
+
+    def staged(sg, slab=None):
+        BK, BV = prep_slabs(C, D, D, slab)
+        return lambda: launch(new, sg, [*base_template, ("SG", sg), ("BK", BK), ("BV", BV)])
+
+    def pure():
+        pad = N * C - T
+
+        def chunks(x):  # [1, T, H, D] -> [N * H, C, D], chunk-major, zero-padded
+            x = mx.pad(x.astype(mx.float32), [(0, 0), (0, pad), (0, 0), (0, 0)])
+            return x.reshape(1, N, C, H, -1).transpose(1, 0, 3, 2, 4).reshape(N * H, C, -1)
+
+        out = intra_chunk(chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta[..., None])[..., 0])
+        return [o.reshape(s) for o, s in zip(out, shapes)]
+
+    fns = {"one SIMD-group": lambda: launch(old, 1, base_template)}
+    fns[f"staged sg{PREP_SIMDGROUPS}"] = staged(PREP_SIMDGROUPS)
+    for sg in (2, 8):
+        fns[f"staged sg{sg}"] = staged(sg)
+    if D % 64 == 0 and D > 64:
+        fns["staged sg4 BK64"] = staged(4, 64)
+    fns["pure MLX"] = pure
+    return fns
+
+
+def prep_header(args) -> str:
+    """Device traffic and threadgroup memory per chunk of the kernels ``bench_kda_prep`` times (float32 elements)."""
+    C, D = DEFAULT_CHUNK_SIZE, args.D
+    lines = [f"per chunk of {C} tokens, Dk = Dv = {D} (elements; x4 bytes in float32):"]
+    rows = [("one SIMD-group", None, 4 * 3 * C * C)]
+    for slab in sorted({prep_slabs(C, D, D)[0], *([64] if D % 64 == 0 and D > 64 else [])}, reverse=True):
+        rows.append((f"staged BK {slab}", slab, prep_threadgroup_bytes(C, slab)))
+    for name, slab, tg_bytes in rows:
+        t = prep_device_traffic(C, D, D, slab)
+        lines.append(f"  {name:>16}: input reads {t['input reads']}, reads of its own outputs {t['output reads']}, "
+                     f"writes {t['writes']}; threadgroup memory {tg_bytes} bytes")  # fmt: skip
+    return "\n".join(lines)
+
+
 def bench_kda_chunked(T, args, dtype):
     """The chunked prefill alone on prepared inputs (normalised q/k, log-decay g, beta): prep + scan kernels vs the
     pure-MLX chunked path (``kda_chunked``, chunk 16) vs mlx-lm's gated_delta_kernel (vector gate exp(g), token by
@@ -117,15 +219,9 @@ def bench_kda_chunked(T, args, dtype):
     from mlx_lm.models.gated_delta import gated_delta_kernel, gated_delta_ops
 
     lm_scan = gated_delta_kernel if mx.metal.is_available() else gated_delta_ops
-
-    B, H, D = 1, args.H, args.D
-    q, k, v, f, b, A_log, dt_bias, state = kda_inputs(B, T, H, D, dtype)
-    q = (q * mx.rsqrt((q.astype(mx.float32) ** 2).sum(-1, keepdims=True) + 1e-6) * D**-0.5).astype(dtype)
-    k = (k * mx.rsqrt((k.astype(mx.float32) ** 2).sum(-1, keepdims=True) + 1e-6)).astype(dtype)
-    g = -mx.exp(A_log)[:, None] * mx.logaddexp(f.astype(mx.float32).reshape(B, T, H, D) + dt_bias.reshape(H, D), 0.0)
-    beta = mx.sigmoid(b.astype(mx.float32))
+    q, k, v, g, beta, state = kda_prepared_inputs(T, args, dtype)
     alpha = mx.exp(g)
-    mx.eval(q, k, g, beta, alpha)
+    mx.eval(alpha)
 
     def kernels():
         return kda_chunked_metal(q, k, v, g, beta, state, chunk_size=DEFAULT_CHUNK_SIZE)
@@ -285,6 +381,7 @@ def run(args) -> None:
     sections = (
         ("KDA", bench_kda, args.T),
         ("KDA chunked prefill, prepared inputs", bench_kda_chunked, [T for T in args.T if T > RECURRENT_MAX_T]),
+        ("KDA chunked prep kernel alone, prepared inputs", bench_kda_prep, [T for T in args.T if T > RECURRENT_MAX_T]),
         ("AttnRes mix", bench_attn_res, args.T),
         (f"MLA attention against {args.mla_context} cached keys", bench_mla, [T for T in args.T if T <= 512]),
         (f"MLA decode, batch {args.mla_batch}, {args.mla_heads} heads (rows: cached keys S)", bench_mla_decode,
@@ -293,13 +390,15 @@ def run(args) -> None:
     )
     for title, make, Ts in sections:
         print(f"\n== {title} ({args.dtype}; ms, median of {args.reps})")
+        if make is bench_kda_prep:
+            print(prep_header(args))
         header = None
         for T in Ts:
             fns = make(T, args, dtype)
             if header is None:
                 header = ["S" if make is bench_mla_decode else "T"] + list(fns)
                 print(" | ".join(f"{h:>16}" for h in header))
-            times = [timeit(fn, args.reps) for fn in fns.values()]
+            times = timeit(list(fns.values()), args.reps)
             print(" | ".join([f"{T:>16}"] + [f"{t:16.3f}" for t in times]))
             ref = fns["pure MLX"]()[0]
             diffs = ", ".join(f"{name} {max_diff(fn()[0], ref):.2g}" for name, fn in fns.items()
@@ -352,11 +451,13 @@ def main(argv=None) -> int:
         args.ggml_rows, args.ggml_cols = 40, 512
         limits = {"max_threads_per_threadgroup": metal.MAX_THREADS_PER_THREADGROUP,
                   "max_threadgroup_memory": metal.MAX_THREADGROUP_MEMORY}  # fmt: skip
-        ctx = metal.emulated(functools.partial(metal_emu.metal_kernel, **limits))
+        args.factory = functools.partial(metal_emu.metal_kernel, **limits)
+        ctx = metal.emulated(args.factory)
     elif not (mx.metal.is_available() and mx.default_device() == mx.gpu):
         print("bench/kernels.py: no Metal GPU here (the kernels only run on Apple silicon); nothing to time.")
         return 0
     else:
+        args.factory = mx.fast.metal_kernel
         ctx = contextlib.nullcontext()
     with ctx:
         run(args)

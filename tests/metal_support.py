@@ -123,6 +123,7 @@ class KernelBackend:
         self.results = []  # (kernel name, metal_emu.EmuResult) of every emulated launch
         self.launched: list[str] = []  # kernel name (``kimi_<file stem>``) of every emulated launch
         self.threadgroups: list[tuple[int, ...]] = []  # the threadgroup every launch asked for
+        self.grids: list[tuple[int, ...]] = []  # the grid every launch asked for
 
     def _factory(self, **spec):
         """Builds a kernel (real, or emulated with ``checks``) whose launches are recorded."""
@@ -144,6 +145,7 @@ class KernelBackend:
                 self.results.append((spec["name"], k.last_result))
             self.launched.append(spec["name"])
             self.threadgroups.append(tuple(kw["threadgroup"]))
+            self.grids.append(tuple(kw["grid"]))
             return out
 
         return launch

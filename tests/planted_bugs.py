@@ -987,6 +987,12 @@ BUGS: tuple[PlantedBug, ...] = (
           "const float w = 1.0f;"),),
         ("tests/test_metal_mla_decode_split.py",),
     ),
+    PlantedBug(
+        "KDA chunked prep kernel: no barrier between staging a slab of rows and other SIMD-groups reading them",
+        (("metal_kernels/kda_chunked_prep.metal", "      threadgroup_barrier(mem_flags::mem_threadgroup);\n    }\n    if (pass == 0) {",
+          "    }\n    if (pass == 0) {"),),
+        ("tests/test_metal_kda_chunked.py::test_real_head_dims",),
+    ),
 )
 
 

@@ -39,6 +39,7 @@ def test_bench_runs_every_path(tmp_path):
         "512",
     ]
     args = tiny if backend_name() == "gpu" else ["--emulator", str(EMU_DIR)]
+
     r = subprocess.run([sys.executable, str(BENCH), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     for row in (
@@ -48,6 +49,8 @@ def test_bench_runs_every_path(tmp_path):
         "mlx-lm",
         "kimi-mlx kernel",
         "chunked kernels",
+        "one SIMD-group",
+        "staged sg4",
         "pure expanded",
         "affine 3-bit",
         "split-K kernels",
@@ -56,10 +59,11 @@ def test_bench_runs_every_path(tmp_path):
         "MLX GQA-128 yardstick",
     ):
         assert row in r.stdout, r.stdout
-    assert len([ln for ln in r.stdout.splitlines() if ln.strip().startswith("70 |")]) == 5, r.stdout
+    assert "reads of its own outputs 0" in r.stdout, r.stdout  # the prep kernel's traffic header
+    assert len([ln for ln in r.stdout.splitlines() if ln.strip().startswith("70 |")]) == 6, r.stdout
     # every timed row is followed by each path's max |output - pure MLX| (bf16 inputs): the paths compute the same op
     parity = [ln.split(":", 1)[1] for ln in r.stdout.splitlines() if "max |output - " in ln]
-    assert len(parity) == 10, r.stdout
+    assert len(parity) == 11, r.stdout
     assert "split-K ran 2 splits (mla_attention picks 2 splits)" in r.stdout, r.stdout
     for ln in parity:
         for item in ln.split(","):

@@ -21,7 +21,13 @@ from kimi_mlx.ops import kda_chunked as chunked_mod
 from kimi_mlx.ops.kda import kda_forward
 from kimi_mlx.ops.kda_chunked import intra_chunk, kda_chunked
 from kimi_mlx.ops.kda_recurrent import kda_recurrent, mask_gates
-from kimi_mlx.ops.kda_chunked_metal import PREP_KERNEL, SCAN_KERNEL, kda_chunked_metal
+from kimi_mlx.ops.kda_chunked_metal import (
+    PREP_KERNEL,
+    SCAN_KERNEL,
+    kda_chunked_metal,
+    prep_slabs,
+    prep_threadgroup_bytes,
+)
 
 
 def inputs(seed, B, T, H, Dk, Dv, dtype=mx.float32, extreme=False, pad=(0,)):
@@ -91,20 +97,28 @@ def test_float32_matches_pure_paths(strict_kernels, name):
     assert (o[~np.array(args[-1])] == 0).all()
 
 
-def test_prep_kernel_equals_intra_chunk(strict_kernels):
+# (Dk, Dv, chunk, prep SIMD-groups, BK, BV): two slabs of Dk with 3 SIMD-groups (rows 0..7 shared unevenly); the
+# real head dims at the default chunk, one slab of 128 channels.
+PREP_ALONE = {"Dk64_C8_sg3_two_slabs": (64, 64, 8, 3, 32, 64), "Dk128_C16_sg4": (128, 128, 16, 4, 128, 128)}
+
+
+@pytest.mark.parametrize("name", list(PREP_ALONE))
+def test_prep_kernel_equals_intra_chunk(strict_kernels, name):
     """The prep kernel alone, on a window [t0, t1) of a ragged batch with masked steps inside it and a partial last
     chunk, writes the same wq / uo / kg / decay as the pure ``kda_chunked.intra_chunk`` on the masked, padded window."""
-    q, k, v, g, beta, _, _ = inputs(13, 2, 29, 2, 64, 64, extreme=True)
-    mask = np.random.default_rng(13).random((2, 29)) > 0.3
-    t0, t1, C = 3, 22, 8
+    Dk, Dv, C, sg, BK, BV = PREP_ALONE[name]
+    q, k, v, g, beta, _, _ = inputs(13, 2, 29 + C, 2, Dk, Dv, extreme=True)
+    mask = np.random.default_rng(13).random((2, 29 + C)) > 0.3
+    t0, t1 = 3, 22 + C
     N = -(-(t1 - t0) // C)
     with strict_kernels.active():
         got = metal.kernel(PREP_KERNEL)(
-            inputs=[q, k, v, g, beta, mx.array(mask), 29, t0, t1],
-            template=[("QT", q.dtype), ("KT", k.dtype), ("VT", v.dtype), ("C", C), ("Dk", 64), ("Dv", 64), ("H", 2)],
-            grid=(32, N, 4),
-            threadgroup=(32, 1, 1),
-            output_shapes=[(N, 2, 2, 2 * C, 64), (N, 2, 2, 2 * C, 64), (N, 2, 2, C, 64), (N, 2, 2, 64)],
+            inputs=[q, k, v, g, beta, mx.array(mask), 29 + C, t0, t1],
+            template=[("QT", q.dtype), ("KT", k.dtype), ("VT", v.dtype), ("C", C), ("Dk", Dk), ("Dv", Dv), ("H", 2),
+                      ("SG", sg), ("BK", BK), ("BV", BV)],  # fmt: skip
+            grid=(32 * sg, N, 4),
+            threadgroup=(32 * sg, 1, 1),
+            output_shapes=[(N, 2, 2, 2 * C, Dk), (N, 2, 2, 2 * C, Dv), (N, 2, 2, C, Dk), (N, 2, 2, Dk)],
             output_dtypes=[mx.float32] * 4,
         )
         mx.eval(got)
@@ -122,6 +136,51 @@ def test_prep_kernel_equals_intra_chunk(strict_kernels):
     for name, a, r in zip(("wq", "uo", "kg", "decay"), got, ref):
         assert_matches(a, r.reshape(a.shape), name)
     strict_kernels.assert_clean()
+
+
+def test_prep_threadgroup_memory_at_real_sizes():
+    """Kimi-Linear-48B and K3 (Dk = Dv = 128): the prep kernel's slabs and threadgroup bytes at every chunk size
+    the host takes, by hand: 4 (3 C (C + 4) + C + 3 C (BK + 4)) bytes within Metal's 32 KB; one slab (inputs read
+    once) at C = 8 and 16, slabs of 32 channels at C = 32 (64 would need 40,064 bytes)."""
+    assert prep_slabs(8, 128, 128) == (128, 128) and prep_threadgroup_bytes(8, 128) == 4 * (288 + 8 + 3168) == 13856
+    assert prep_slabs(16, 128, 128) == (128, 128)
+    assert prep_threadgroup_bytes(16, 128) == 4 * (960 + 16 + 6336) == 29248
+    assert prep_slabs(32, 128, 128) == (32, 64) and prep_threadgroup_bytes(32, 32) == 4 * (3456 + 32 + 3456) == 27776
+    assert prep_threadgroup_bytes(32, 64) == 40064 > metal.MAX_THREADGROUP_MEMORY == 32768
+    assert max(prep_threadgroup_bytes(C, prep_slabs(C, 128, 128)[0]) for C in (8, 16, 32)) <= 32768
+
+
+# Dk = Dv = 128 (both models' KDA heads), 2 heads, ragged batch, T not a multiple of the chunk:
+# (chunk, prep SIMD-groups, q/k/v dtype, fast-decaying heads with steps at g = -1000).
+REAL_DIMS = {
+    "C8_sg4": (8, 4, mx.float32, False),
+    "C16_sg4_fast_decay": (16, 4, mx.float32, True),
+    "C16_sg3_bf16": (16, 3, mx.bfloat16, False),
+    "C32_sg8_four_slabs": (32, 8, mx.float32, False),
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_DIMS))
+def test_real_head_dims(strict_kernels, name):
+    """At Dk = Dv = 128 and every chunk size the host takes (SIMD-group counts that do and do not divide the rows
+    of a chunk; bf16 inputs; decays down to exp(-1000)): kernels = both pure paths under the strict checks; the prep
+    launch is grid (32 SG, N, B H), threadgroup (32 SG, 1, 1) with ``prep_threadgroup_bytes`` of threadgroup
+    memory."""
+    C, sg, dtype, extreme = REAL_DIMS[name]
+    args = inputs(14, 2, 2 * C + 5, 2, 128, 128, dtype=dtype, extreme=extreme, pad=(0, 7))
+    with strict_kernels.active():
+        got = kda_chunked_metal(*args, chunk_size=C, prep_simdgroups=sg)
+        mx.eval(got)
+    with metal.disabled():
+        chunked = kda_chunked(*args, chunk_size=C)
+        recurrent = kda_recurrent(*args)
+    check(strict_kernels, got, chunked, recurrent)
+    assert strict_kernels.grids[0] == (32 * sg, 3, 4) and strict_kernels.threadgroups[0] == (32 * sg, 1, 1)
+    if strict_kernels.name == "emulator":
+        BK = prep_slabs(C, 128, 128)[0]
+        assert [r.stats["threadgroup_bytes"] for n, r in strict_kernels.results if n == f"kimi_{PREP_KERNEL}"] == [
+            prep_threadgroup_bytes(C, BK)
+        ]
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
@@ -164,12 +223,21 @@ def test_strided_inputs(strict_kernels):
     check(strict_kernels, got, chunked, recurrent)
 
 
-def test_thread_sanitizer_finds_no_race():
+@pytest.mark.parametrize("Dk, prep_sg, slab", [(32, 4, None), (64, 3, 32)], ids=["one_slab", "two_slabs"])
+def test_thread_sanitizer_finds_no_race(Dk, prep_sg, slab):
     """Both kernels under the emulator's ThreadSanitizer build (lanes as TSan fibers; barriers and SIMD collectives
-    the only happens-before edges), on a tiny ragged batch with partial threadgroups: no report, same results."""
+    the only happens-before edges), on a tiny ragged batch with partial threadgroups, the prep kernel with one slab
+    of Dk and with two (its barriers before a slab is restaged): no report, same results. The schedules cannot see a
+    missing barrier between plain threadgroup writes and a SIMD-group matrix load by another SIMD-group (every
+    thread reaches the load before any load resolves); this build does."""
     backend = KernelBackend(race_check=True)
-    args = inputs(10, 2, 11, 1, 32, 32, pad=(0, 3))
-    got, chunked, recurrent = run_both(backend, args, 8, 3)
+    args = inputs(10, 2, 11, 1, Dk, 32, pad=(0, 3))
+    with backend.active():
+        got = kda_chunked_metal(*args, chunk_size=8, simdgroups=3, prep_simdgroups=prep_sg, prep_slab=slab)
+        mx.eval(got)
+    with metal.disabled():
+        chunked = kda_chunked(*args, chunk_size=8)
+        recurrent = kda_recurrent(*args)
     check(backend, got, chunked, recurrent)
 
 
@@ -241,14 +309,20 @@ def test_disabled_falls_back_to_pure_path():
         (64, 64, 64, 4, mx.float32, "chunk_size must be 8, 16 or 32"),
         (64, 64, 8, 0, mx.float32, "simdgroups"),
         (64, 64, 8, 4, mx.int32, "v dtype"),
+        (64, 64, 8, (4, 0, None), mx.float32, "prep_simdgroups"),
+        (128, 64, 8, (4, 4, 48), mx.float32, r"prep_slab must be a multiple of 32 dividing Dk=128, got 48"),
+        (96, 64, 8, (4, 4, 64), mx.float32, r"prep_slab must be a multiple of 32 dividing Dk=96, got 64"),
     ],
 )
 def test_bad_input_errors(Dk, Dv, chunk, tg, dtype, match):
-    """Unsupported head dims, chunk sizes, threadgroup widths and dtypes are clear ValueErrors before any launch."""
+    """Unsupported head dims, chunk sizes, threadgroup widths, slabs and dtypes are clear ValueErrors before any
+    launch (``tg``: scan SIMD-groups, or (scan, prep SIMD-groups, prep slab))."""
     q = mx.zeros((1, 9, 1, Dk))
     v = mx.zeros((1, 9, 1, Dv), dtype=dtype)
+    sg, prep_sg, slab = tg if isinstance(tg, tuple) else (tg, 4, None)
     with pytest.raises(ValueError, match=match):
-        kda_chunked_metal(q, q, v, q, mx.zeros((1, 9, 1)), chunk_size=chunk, simdgroups=tg)
+        kda_chunked_metal(q, q, v, q, mx.zeros((1, 9, 1)), chunk_size=chunk, simdgroups=sg, prep_simdgroups=prep_sg,
+                          prep_slab=slab)  # fmt: skip
 
 
 def test_kda_forward_dispatches_to_kernel(strict_kernels):

@@ -35,7 +35,7 @@ from kimi_mlx.ops.ggml.dequant import dequantize
 from kimi_mlx.ops.ggml.metal import matvec_metal
 from kimi_mlx.ops.kda import kda_gated
 from kimi_mlx.ops.kda_chunked import kda_chunked
-from kimi_mlx.ops.kda_chunked_metal import kda_chunked_metal
+from kimi_mlx.ops.kda_chunked_metal import kda_chunked_metal, prep_threadgroup_bytes
 from kimi_mlx.ops.kda_recurrent_metal import kda_recurrent_metal
 from kimi_mlx.ops.mla_attention import mla_attention
 from kimi_mlx.ops.mla_attention_metal import decode_threadgroup_bytes, mla_attention_metal
@@ -121,7 +121,8 @@ def test_mla_default_simdgroups_fit_any_rank(kernels):
 
 def test_kda_kernels_at_real_head_dims(kernels):
     """Dk = Dv = 128: the chunked scan with simdgroups 32 capped at the 16 tiles of Dv (512 threads), the prep
-    kernel's 3 C^2 floats at C = 32 (12 KB), the recurrent kernel with 16 rows per threadgroup (512 threads)."""
+    kernel at C = 32 with 4 SIMD-groups and slabs of 32 channels (``prep_threadgroup_bytes``: 27,776 bytes), the
+    recurrent kernel with 16 rows per threadgroup (512 threads)."""
     args = chunked_inputs(1, 1, 40, 2, 128, 128, pad=(3,))
     rargs, rkw = recurrent_inputs(1, 3, 2, 128, 128, mx.float32, K3.kda_gate_lower_bound, ragged=True)
     with kernels.active():
@@ -133,9 +134,9 @@ def test_kda_kernels_at_real_head_dims(kernels):
         rref = kda_gated(*rargs, **rkw)
     for g, r, what in zip((*got, *rgot), (*ref, *rref), ("chunked o", "chunked state", "recurrent o", "state")):
         assert_matches(g, r, what)
-    assert kernels.threadgroups == [(32, 1, 1), (32, 16, 1), (32, 16, 1)]
+    assert kernels.threadgroups == [(128, 1, 1), (32, 16, 1), (32, 16, 1)]
     if kernels.name == "emulator":
-        assert _launched_bytes(kernels, "kimi_kda_chunked_prep") == [3 * 32 * 32 * 4]
+        assert _launched_bytes(kernels, "kimi_kda_chunked_prep") == [prep_threadgroup_bytes(32, 32)] == [27776]
         assert (
             _launched_bytes(kernels, "kimi_kda_chunked_scan") == _launched_bytes(kernels, "kimi_kda_recurrent") == [0]
         )
@@ -163,6 +164,27 @@ def test_attn_res_at_k3_width(kernels):
     kernels.assert_clean()
 
 
+@pytest.mark.parametrize("cfg", [KL, K3], ids=["kl", "k3"])
+def test_kda_chunked_prep_every_head(cfg, kernels):
+    """The chunked prefill's launch at full width: all 32 (Kimi Linear) / 96 (K3) KDA heads of 128, one chunk of 16
+    (the default chunk) and a partial one: prep grid (128, 2, H), threadgroup (128, 1, 1) with 29,248 bytes (one
+    slab of 128 channels), every output element written (the emulator's unwritten-output check) and equal to the
+    pure path."""
+    H, D = cfg.kda_num_heads, cfg.kda_head_dim
+    args = chunked_inputs(15, 1, 21, H, D, D, pad=(2,))
+    with kernels.active():
+        got = kda_chunked_metal(*args, chunk_size=16)
+        mx.eval(got)
+    with metal.disabled():
+        ref = kda_chunked(*args, chunk_size=16)
+    assert_matches(got[0], ref[0], "o")
+    assert_matches(got[1], ref[1], "state")
+    assert kernels.grids[0] == (128, 2, H) and kernels.threadgroups[0] == (128, 1, 1)
+    if kernels.name == "emulator":
+        assert _launched_bytes(kernels, "kimi_kda_chunked_prep") == [prep_threadgroup_bytes(16, 128)] == [29248]
+    kernels.assert_clean()
+
+
 def test_settings_above_what_a_kernel_needs_are_capped(kernels):
     """More SIMD-groups / rows / threads than a kernel has work for are capped (MLX checks the uncapped threadgroup
     against the pipeline's limit): the launches ask for what the grid holds and equal the pure paths."""
@@ -172,10 +194,10 @@ def test_settings_above_what_a_kernel_needs_are_capped(kernels):
     x = mx.array(np.random.default_rng(0).standard_normal((1, blocks_np.shape[1] // 18 * 32)), mx.float32)
     with kernels.active():
         mix = attn_res_mix_metal(blocks, scales, partial, w_eff, EPS, threads=512, rows_per_group=8)
-        chk = kda_chunked_metal(*cargs, chunk_size=8, simdgroups=64)
+        chk = kda_chunked_metal(*cargs, chunk_size=8, simdgroups=64, prep_simdgroups=64)
         y = matvec_metal(x, mx.array(blocks_np), "IQ4_NL", rows_per_threadgroup=64)
         mx.eval(mix, chk, y)
-    assert kernels.threadgroups == [(64, 1, 1), (32, 1, 1), (32, 4, 1), (32, 5, 1)]
+    assert kernels.threadgroups == [(64, 1, 1), (256, 1, 1), (32, 4, 1), (32, 5, 1)]
     with metal.disabled():
         assert_matches(mix, attn_res_mix(blocks, scales, partial, w_eff, EPS), "attn_res_mix")
         for g, r in zip(chk, kda_chunked(*cargs, chunk_size=8)):
@@ -192,6 +214,7 @@ MIX = mix_inputs(2, 1, 4, 256, mx.float32)
 MIX_DEEP = mix_inputs(511, 1, 2, 256, mx.float32)
 RECURRENT = recurrent_inputs(1, 1, 1, 128, 128, mx.float32, None, ragged=False)
 CHUNKED = chunked_inputs(1, 1, 9, 1, 32, 256)
+CHUNKED_128 = chunked_inputs(1, 1, 40, 1, 128, 128)
 GGML = blocks_for("IQ4_NL")
 X = mx.zeros((1, GGML.shape[1] // 18 * 32), mx.float32)
 
@@ -227,6 +250,15 @@ REFUSED = {
     "kda_chunked_scan-threads": (
         lambda: kda_chunked_metal(*CHUNKED, chunk_size=8, simdgroups=17),
         r"kda_chunked_scan: simdgroups=17 asks for 544 threads .*; at most 16 SIMD-groups",
+    ),
+    "kda_chunked_prep-threads": (
+        lambda: kda_chunked_metal(*CHUNKED_128, chunk_size=32, prep_simdgroups=17),
+        r"kda_chunked_prep: prep_simdgroups=17, prep_slab=32 asks for 544 threads .*; at most 16 SIMD-groups",
+    ),
+    "kda_chunked_prep-memory": (
+        lambda: kda_chunked_metal(*CHUNKED_128, chunk_size=32, prep_slab=64),
+        r"kda_chunked_prep: prep_simdgroups=4, prep_slab=64 asks for 40064 bytes of threadgroup memory, above the "
+        r"limit of 32768 bytes .*; a narrower prep_slab",
     ),
     "ggml_matvec-threads": (
         lambda: matvec_metal(X, mx.array(GGML), "IQ4_NL", rows_per_threadgroup=17),
