@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from contextlib import contextmanager, nullcontext, redirect_stdout
 from pathlib import Path
 from typing import Callable, Optional
@@ -19,6 +20,9 @@ import mlx.core as mx
 
 from ..parallel import MODES
 from ..parallel.comm import broadcast_int
+
+ERROR_GRACE_S = 2.0  # a rank other than 0 waits this long after a flag error before exiting
+
 
 def group_from_args(args: argparse.Namespace) -> Optional[mx.distributed.Group]:
     """The group for ``--parallel`` (``mx.distributed.init()``), None without it (one process: today's behaviour,
@@ -73,7 +77,9 @@ def run_command(args: argparse.Namespace, check: Callable[[], None], body: Calla
         check()
     except ValueError as e:
         if rank(mx.distributed.init()) == 0:
-            print(f"kimi-mlx: error: {e}", file=sys.stderr)
+            print(f"kimi-mlx: error: {e}", file=sys.stderr, flush=True)
+        else:  # mlx.launch stops every rank once one exits: give rank 0 the time to say why
+            time.sleep(ERROR_GRACE_S)
         return 2
     with on_ranks(group):
         rc = body(group)
