@@ -7,8 +7,9 @@ float32, experts optionally ``--bits`` 4 / 8, MLX affine, group 64), random weig
 the same model). Routing is what the random router picks, so about 1 / n of a token's 8 slots are local on n ranks.
 
 Two settings:
-- default: one process holding rank 0's share of n = ``--simulate`` (2 4 8) ranks (``shard_model`` on the
-  single-process group, whose all_sum is the identity): one rank's compute without communication;
+- default: one process holding rank 0's share of n = ``--simulate`` (1 2 4 8) ranks (``shard_model`` on the
+  single-process group, whose all_sum is the identity): one rank's compute without communication. n = 1 holds
+  every expert, so both ways compute the same rows: what differs is the new way's cost (host read, compaction);
 - ``--ranks N``: N ring ranks on localhost under ``mlx.launch``, rank r pinned to core r (tensor + expert parallel).
 
 Measured per round, the two ways alternating (the old one re-created in this file by routing fewer than
@@ -193,8 +194,9 @@ def row(label: str, r: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--simulate", type=int, nargs="+", default=[2, 4, 8],
-                    help="in one process: rank 0's share of this many ranks")
+    ap.add_argument("--simulate", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="in one process: rank 0's share of this many ranks (1: every slot local, both ways compute "
+                         "the same rows and the new one's host read and compaction are all that differ)")
     ap.add_argument("--ranks", type=int, default=0, help="run on this many ring ranks instead (mlx.launch, pinned)")
     ap.add_argument("--experts", type=int, default=64, help="routed experts per MoE layer (Kimi-Linear-48B: 256)")
     ap.add_argument("--bits", type=int, default=0, choices=[0, 4, 8], help="quantize the routed experts (0: float32)")
