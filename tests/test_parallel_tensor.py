@@ -28,9 +28,9 @@ from kimi_mlx.parallel.shard import (
 Q4 = {"bits": 4, "group_size": 32}
 
 # Each rank loads every case (fixture, variant, decode length), computes the single-process reference itself, shards
-# the same model in place and repeats: a full forward of 40 ids (the MoE prefill takes the compacted expert path),
-# prefill + 4 greedy tokens through the cache after a checkpoint and 4 again after restoring it, and greedy tokens
-# for a ragged left-padded batch of 3 (batch_generate; its decode takes the masked expert path).
+# the same model in place and repeats: a full forward of 40 ids, prefill + 4 greedy tokens through the cache after a
+# checkpoint and 4 again after restoring it, and greedy tokens for a ragged left-padded batch of 3 (batch_generate);
+# each rank's MoE runs only its local (token, slot) pairs, prefill and decode alike.
 RANK_SCRIPT = """
 import hashlib
 from pathlib import Path
@@ -259,7 +259,7 @@ def test_fused_qkv_keeps_each_segments_heads():
     ids=["kimi_linear-3", "kimi_k3-q4-3", "kimi_linear-q4-9"],
 )
 def test_one_all_sum_per_block(monkeypatch, fixture, n, quantize):
-    """Prefill (compacted experts) and decode (masked experts): exactly one all_sum per attention block and one per
+    """Prefill and decode (each rank's local expert pairs only): exactly one all_sum per attention block and one per
     MLP / MoE block on every rank, including ranks holding no heads, no shared-expert columns, and (9 ranks of a
     model with 8 units of dense width and 4 experts) nothing at all; the caches stay in step through a checkpoint."""
     calls = []
