@@ -402,10 +402,10 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     # -- distributed: expert parallel, plan vs load, pipeline stages, watchdog
     PlantedBug(
-        "expert parallel: slots routed to other ranks' experts are not zeroed (decode counts them on local expert 0)",
-        (("kimi_mlx/parallel/shard.py", "        return mx.where(local[..., None], y, 0).sum(axis=-2)",
-          "        return y.sum(axis=-2)"),),
-        ("tests/test_parallel_tensor.py::test_tensor_parallel_matches_single_process[2]",),
+        "expert parallel: slots routed to other ranks' experts are not zeroed (the masked path counts them on local "
+        "expert 0)",
+        (("kimi_mlx/parallel/shard.py", "        return mx.where(local[..., None], y, 0)\n", "        return y\n"),),
+        ("tests/test_parallel_tensor.py::test_expert_parallel_decode_runs_only_local_pairs",),
     ),
     PlantedBug(
         "plan: the tensor splits declared beside the swaps are not read (every parameter counted whole)",
@@ -992,6 +992,12 @@ BUGS: tuple[PlantedBug, ...] = (
         (("metal_kernels/kda_chunked_prep.metal", "      threadgroup_barrier(mem_flags::mem_threadgroup);\n    }\n    if (pass == 0) {",
           "    }\n    if (pass == 0) {"),),
         ("tests/test_metal_kda_chunked.py::test_real_head_dims",),
+    ),
+    PlantedBug(
+        "expert parallel: decode runs every slot, other ranks' slots on local expert 0",
+        (("kimi_mlx/parallel/shard.py", "        y = self._compacted(z, inds, local)  # [..., k, width], zero on other ranks' slots\n",
+          "        y = (self._masked if inds.size < 64 else self._compacted)(z, inds, local)\n"),),
+        ("tests/test_parallel_tensor.py::test_expert_parallel_decode_runs_only_local_pairs",),
     ),
 )
 

@@ -28,9 +28,9 @@ from kimi_mlx.parallel.shard import (
 Q4 = {"bits": 4, "group_size": 32}
 
 # Each rank loads every case (fixture, variant, decode length), computes the single-process reference itself, shards
-# the same model in place and repeats: a full forward of 40 ids (the MoE prefill takes the compacted expert path),
-# prefill + 4 greedy tokens through the cache after a checkpoint and 4 again after restoring it, and greedy tokens
-# for a ragged left-padded batch of 3 (batch_generate; its decode takes the masked expert path).
+# the same model in place and repeats: a full forward of 40 ids, prefill + 4 greedy tokens through the cache after a
+# checkpoint and 4 again after restoring it, and greedy tokens for a ragged left-padded batch of 3 (batch_generate);
+# each rank's MoE runs only its local (token, slot) pairs, prefill and decode alike.
 RANK_SCRIPT = """
 import hashlib
 from pathlib import Path
@@ -259,7 +259,7 @@ def test_fused_qkv_keeps_each_segments_heads():
     ids=["kimi_linear-3", "kimi_k3-q4-3", "kimi_linear-q4-9"],
 )
 def test_one_all_sum_per_block(monkeypatch, fixture, n, quantize):
-    """Prefill (compacted experts) and decode (masked experts): exactly one all_sum per attention block and one per
+    """Prefill and decode (each rank's local expert pairs only): exactly one all_sum per attention block and one per
     MLP / MoE block on every rank, including ranks holding no heads, no shared-expert columns, and (9 ranks of a
     model with 8 units of dense width and 4 experts) nothing at all; the caches stay in step through a checkpoint."""
     calls = []
@@ -355,3 +355,41 @@ def test_parameter_bytes_per_rank():
     per_rank = [param_bytes(m) for m in _shards(K3_FIXTURE, 2)]
     print("K3 parameter bytes per rank of 2:", per_rank, "whole", whole)
     assert all(whole / 2 < b < whole for b in per_rank) and sum(per_rank) > whole
+
+
+@pytest.mark.parametrize("fixture, n", [(KL_FIXTURE, 3), (K3_FIXTURE, 2)], ids=["kimi_linear-3", "kimi_k3-2"])
+def test_expert_parallel_decode_runs_only_local_pairs(monkeypatch, fixture, n):
+    """Decode of a batch of 6 (one token each, 12 (token, slot) pairs): each rank's experts compute exactly its local
+    pairs' rows (every pair on exactly one rank; no other rank's slot run on its expert 0), and the ranks' routed
+    sums add up to the single-process one (mlx-lm's SwitchGLU over all slots). Inside ``mx.compile`` (no host reads)
+    every slot runs and other ranks' slots are zeroed: the same sum."""
+    import kimi_mlx.parallel.shard as shard
+
+    full = _load(fixture)[0].layers[1].mlp
+    blocks = [m.layers[1].mlp for m in _shards(fixture, n)]
+    x = mx.random.normal((6, 1, full.cfg.hidden_size), key=mx.random.key(3))  # [B, 1, hidden]
+    z = full.routed_expert_down_proj(x) if "routed_expert_down_proj" in full else x  # [B, 1, width]
+    inds, weights = full.routing(x)  # [B, 1, k] each (the router is replicated)
+    ref = (full.switch_mlp(z, inds) * weights[..., None]).sum(axis=-2)  # [B, 1, width]
+    pairs = np.array(inds).reshape(-1)
+    seen = []  # per switch_glu call: its index array (traced inside mx.compile: only its size is read then)
+    real = shard.switch_glu
+    monkeypatch.setattr(shard, "switch_glu", lambda s, h, i, *a: (seen.append(i), real(s, h, i, *a))[1])
+
+    total, foreign = 0, 0
+    for block in blocks:
+        mine = sorted(int(e) for e in pairs if e in block.experts)
+        foreign += len(pairs) - len(mine)
+        seen.clear()
+        y = block._local_experts(z, inds, weights)
+        mx.eval(y)
+        got = sorted(int(e) + block.experts.start for i in seen for e in np.array(i).reshape(-1))
+        assert got == mine, f"experts {block.experts}: computed rows for experts {got}, local pairs {mine}"
+        total = total + y
+        seen.clear()
+        y_compiled = mx.compile(block._local_experts)(z, inds, weights)
+        mx.eval(y_compiled)
+        assert sum(i.size for i in seen) == len(pairs)  # the masked path: every slot
+        np.testing.assert_allclose(y_compiled, y, atol=1e-5)
+    assert foreign > 0  # some rank had other ranks' slots, which must not run on its experts
+    np.testing.assert_allclose(total, ref, atol=1e-5, rtol=1e-5)

@@ -12,7 +12,8 @@ planner, ``parallel.accounting``, reads the same declaration):
   ``unembed_out``; ``kv_a_proj_with_mqa``, its norm and hence the latent cache stay whole on every rank.
 - dense MLP and shared experts: a column range of the intermediate width (gate/up rows, down_proj columns).
 - routed experts: its experts, whole (quantized and GGML-block stacks are cut on the expert axis, so quantization
-  groups and blocks never need to divide); the router stays whole and slots routed to other ranks' experts add zero.
+  groups and blocks never need to divide); the router stays whole, each rank runs only the (token, slot) pairs routed
+  to its experts (in decode too: two counts read on the host per MoE block), and the other slots add zero.
 
 Output projections keep the matching input columns, and the ranks' partial outputs are summed with one ``all_sum``
 per attention block and one per MLP / MoE block, so every rank carries the full hidden state and computes the full
@@ -46,7 +47,7 @@ from ..config import KimiConfig
 from ..layers.ggml import GGMLLinear, GGMLSwitchLinear
 from ..layers.kda import KimiDeltaAttention
 from ..layers.mla import KimiMLA
-from ..layers.moe import MLP, SORTED_MIN_PAIRS, SparseMoE, switch_glu
+from ..layers.moe import MLP, SparseMoE, switch_glu
 from ..ops.ggml import get_format
 from . import comm
 from .splits import SPLIT_SIZES, TensorShare, tensor_shares
@@ -452,26 +453,34 @@ class ExpertParallelMoE(SparseMoE):
 
     def _local_experts(self, z: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
         """Routing-weighted sum over the slots that chose this rank's experts: z [..., width], inds / weights
-        [..., k] (global expert ids) -> [..., width]."""
-        lo = self.experts.start
-        local = (inds >= lo) & (inds < self.experts.stop)
-        if inds.size < SORTED_MIN_PAIRS:  # decode: every slot runs, others' slots on local expert 0 (dropped below)
-            y = switch_glu(self.switch_mlp, z, mx.where(local, inds - lo, 0))
-        else:
-            y = self._compacted(z, inds, local)
-        y = y * weights[..., None].astype(y.dtype)
-        return mx.where(local[..., None], y, 0).sum(axis=-2)
+        [..., k] (global expert ids) -> [..., width]. Only the local (token, slot) pairs go through the experts, for
+        any number of tokens (decode included: with n ranks about k / n of a token's k slots are local); inside
+        ``mx.compile`` / ``mx.vmap``, where the local count cannot be read, every slot runs (``_masked``)."""
+        local = (inds >= self.experts.start) & (inds < self.experts.stop)  # [..., k]
+        y = self._compacted(z, inds, local)  # [..., k, width], zero on other ranks' slots
+        return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
 
     def _compacted(self, z: mx.array, inds: mx.array, local: mx.array) -> mx.array:
         """[..., k, width]: only the local (token, slot) pairs go through the experts (sorted by expert, they form
-        one run); the other slots are zero. Reads two counts on the host."""
+        one run; ``switch_glu`` picks its gather or sorted path by their count); the other slots are zero. Reads
+        two counts on the host (one sync per MoE block), so the expert rows computed are exactly the local pairs;
+        inside ``mx.compile`` / ``mx.vmap`` (no host reads) it is ``_masked``."""
         k, lo = inds.shape[-1], self.experts.start
-        flat = inds.flatten()
+        flat = inds.flatten()  # [P] global expert ids, P = tokens * k
         order = mx.argsort(flat)
-        before, count = mx.stack([(flat < lo).sum(), local.sum()]).tolist()
-        out = mx.zeros((flat.size, z.shape[-1]), z.dtype)
+        try:
+            before, count = mx.stack([(flat < lo).sum(), local.sum()]).tolist()
+        except ValueError:  # inside mx.compile / mx.vmap
+            return self._masked(z, inds, local)
+        out = mx.zeros((flat.size, z.shape[-1]), z.dtype)  # [P, width]
         if count:
-            pairs = order[before : before + count]
-            rows = z.reshape(-1, z.shape[-1])[pairs // k]
+            pairs = order[before : before + count]  # [count] the local pairs, by expert
+            rows = z.reshape(-1, z.shape[-1])[pairs // k]  # [count, width] their tokens' inputs
             out[pairs] = switch_glu(self.switch_mlp, rows, (flat[pairs] - lo)[:, None])[:, 0]
         return out.reshape(*inds.shape, -1)
+
+    def _masked(self, z: mx.array, inds: mx.array, local: mx.array) -> mx.array:
+        """[..., k, width] without host reads: every slot runs, other ranks' slots on local expert 0, and their
+        rows are zeroed (k expert rows per token, of which about k / n are this rank's)."""
+        y = switch_glu(self.switch_mlp, z, mx.where(local, inds - self.experts.start, 0))
+        return mx.where(local[..., None], y, 0)
