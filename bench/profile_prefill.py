@@ -11,9 +11,12 @@ Models (float32, batch 1, one prefill call of ``--tokens`` tokens into a fresh c
   cached checkpoint (written on first use).
 
 Each repeat (after one warm-up) runs, back to back: the reference GEMM (``mx.matmul`` of [T, hidden] x
-[hidden, 4096], the widest projection's shape), the staged forward (the model's forward cut into the modules below,
-each evaluated before the next starts), and the whole model's prefill (``model(tokens, cache)``, evaluated once).
-Medians over ``--repeats``; the spread is printed as min-max.
+[hidden, 4096], the widest projection's shape; median of 3 calls), the staged forward (the model's forward cut into
+the modules below, each evaluated before the next starts and each preceded by a probe GEMM of [512, hidden] x
+[hidden, 4096]), and the whole model's prefill (``model(tokens, cache)``, evaluated once, between two probes).
+A module's share of the GEMM rate is its FLOPs over (its time x the probe rate just before it), so a machine whose
+load changes during the run (shared cores) compares each module with the GEMM under the same load. Medians over
+``--repeats``; the spread is printed as min-max.
 
 Rows: KDA (projections; short conv; gates: q/k L2 norm, decay, beta; chunked scan; output RMSNorm * gate; o_proj),
 MLA (projections incl. the latent norm and the cache write; attention incl. the per-head K/V expansion; o_proj),
@@ -75,6 +78,7 @@ REAL_WIDTH = {
 }
 SCAN_CHUNK = 16  # the chunk size the scan's FLOP count assumes (fla's 16-row sub-chunks)
 GEMM_OUT = 4096  # reference GEMM: [T, hidden] x [hidden, GEMM_OUT]
+PROBE_ROWS = 512  # the probe before each module: [PROBE_ROWS, hidden] x [hidden, GEMM_OUT]
 
 
 # ------------------------------------------------------------------------------------------------- the model
@@ -139,16 +143,25 @@ def module_flops(cfg: KimiConfig, T: int, kind: str) -> float:
 
 # ------------------------------------------------------------------------------------------------- staged forward
 class Stages:
-    """Runs a step and evaluates its outputs, adding the time to its row (inputs are already evaluated)."""
+    """Runs a step and evaluates its outputs, adding the time to its row (inputs are already evaluated). With a
+    ``probe`` (a reference GEMM: () -> FLOP/s), each step is preceded by the probe and its row also accumulates
+    ``time x probe rate``, the FLOPs the machine's GEMM would have done in that time under the same load."""
 
-    def __init__(self):
+    def __init__(self, probe=None):
+        self.probe = probe
         self.times: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)  # process CPU seconds (all threads)
+        self.gemm_flops: dict[str, float] = defaultdict(float)
 
     def __call__(self, row: str, fn, *args):
-        t0 = time.perf_counter()
+        rate = self.probe() if self.probe else 0.0
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn(*args)
         mx.eval(out)
-        self.times[row] += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.cpu[row] += time.process_time() - c0
+        self.times[row] += dt
+        self.gemm_flops[row] += dt * rate
         return out
 
 
@@ -217,9 +230,10 @@ def moe_staged(st: Stages, moe, x: mx.array) -> mx.array:
     return y
 
 
-def staged_forward(model: Model, tokens: mx.array) -> tuple[mx.array, dict[str, float]]:
-    """The model's prefill of ``tokens`` [1, T] into a fresh cache, module by module: (logits, {row: seconds})."""
-    st = Stages()
+def staged_forward(model: Model, tokens: mx.array, probe=None) -> tuple[mx.array, Stages]:
+    """The model's prefill of ``tokens`` [1, T] into a fresh cache, module by module: (logits, the ``Stages`` with
+    each row's seconds and, with ``probe``, its GEMM-equivalent FLOPs)."""
+    st = Stages(probe)
     other = "norms, residuals, embedding"
     cache = model.make_cache()
     T = tokens.shape[1]
@@ -238,7 +252,7 @@ def staged_forward(model: Model, tokens: mx.array) -> tuple[mx.array, dict[str, 
             m = st("dense MLP", layer.mlp, x)
         h = st(other, lambda: h + m)
     logits = st("head (norm + lm_head)", lambda: model.lm_head(model.model.norm(h)))
-    return logits, dict(st.times)
+    return logits, st
 
 
 def whole_prefill(model: Model, tokens: mx.array) -> tuple[mx.array, float]:
@@ -250,10 +264,16 @@ def whole_prefill(model: Model, tokens: mx.array) -> tuple[mx.array, float]:
     return logits, time.perf_counter() - t0
 
 
-def gemm_seconds(a: mx.array, w: mx.array) -> float:
-    t0 = time.perf_counter()
-    mx.eval(a @ w)
-    return time.perf_counter() - t0
+def gemm_probe(a: mx.array, w: mx.array):
+    """() -> FLOP/s of one evaluated ``a @ w`` (a: [m, k], w: [k, n])."""
+    flops = 2.0 * a.shape[0] * a.shape[1] * w.shape[1]
+
+    def probe() -> float:
+        t0 = time.perf_counter()
+        mx.eval(a @ w)
+        return flops / (time.perf_counter() - t0)
+
+    return probe
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -276,11 +296,85 @@ def layer_counts(model: Model) -> dict[str, int]:
     return n
 
 
+def _untrimmed_mla():
+    """MLA prefill attention with every key block attended by all query rows (``first_row`` always 0)."""
+    from kimi_mlx.ops import mla_paths
+
+    return mla_paths, "first_row", lambda *args: 0
+
+
+BASELINES = {  # --baseline NAME: (object, attribute, replacement) that restores an earlier behaviour
+    "mla-untrimmed": _untrimmed_mla,
+}
+
+
+class Variant:
+    """One configuration's measurements over the repeats."""
+
+    def __init__(self, name: str, patch=None):
+        self.name, self.patch = name, patch
+        self.times, self.cpu, self.shares = defaultdict(list), defaultdict(list), defaultdict(list)
+
+    def run(self, model, tokens, probe, flops: dict, flops_all: float) -> tuple[mx.array, mx.array]:
+        """One staged forward, then one whole prefill between two probes; returns (staged, whole) logits."""
+        undo = None
+        if self.patch:
+            obj, attr, repl = self.patch()
+            undo = (obj, attr, getattr(obj, attr))
+            setattr(obj, attr, repl)
+        try:
+            staged_logits, st = staged_forward(model, tokens, probe)
+            r0 = probe()
+            c0 = time.process_time()
+            logits, t_whole = whole_prefill(model, tokens)
+            c_whole = time.process_time() - c0
+            r1 = probe()
+        finally:
+            if undo:
+                setattr(*undo)
+        self.last = (st, t_whole, c_whole, (r0 + r1) / 2)
+        return staged_logits, logits
+
+    def record(self, flops: dict, flops_all: float) -> None:
+        st, t_whole, c_whole, rate = self.last
+        for k, v in st.times.items():
+            self.times[k].append(v)
+            self.cpu[k].append(st.cpu[k])
+            self.shares[k].append(flops.get(k, 0.0) / st.gemm_flops[k])
+        self.times["staged total"].append(sum(st.times.values()))
+        self.cpu["staged total"].append(sum(st.cpu.values()))
+        self.shares["staged total"].append(flops_all / sum(st.gemm_flops.values()))
+        self.times["whole-model prefill"].append(t_whole)
+        self.cpu["whole-model prefill"].append(c_whole)
+        self.shares["whole-model prefill"].append(flops_all / (t_whole * rate))
+
+    def table(self, flops: dict, flops_all: float, counts: dict) -> None:
+        total = statistics.median(self.times["staged total"])
+        print(f"\n{self.name}:")
+        print("| module (layers) | ms | spread ms | CPU ms | % of staged | GFLOP | GFLOP/s | share of GEMM rate (spread) |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for row in ROW_ORDER + ["staged total", "whole-model prefill"]:
+            if row not in self.times:
+                continue
+            v, sh = self.times[row], self.shares[row]
+            f = flops.get(row, flops_all)
+            med = statistics.median(v)
+            rate = f"{f / med / 1e9:.1f}" if f else "-"
+            share = f"{100 * statistics.median(sh):.0f}% ({100 * min(sh):.0f}-{100 * max(sh):.0f})" if f else "-"
+            pct = "" if row == "whole-model prefill" else f"{100 * med / total:.1f}%"
+            n = f" ({counts[row]})" if row in counts else ""
+            print(f"| {row}{n} | {med * 1e3:.0f} | {min(v) * 1e3:.0f}-{max(v) * 1e3:.0f} | "
+                  f"{statistics.median(self.cpu[row]) * 1e3:.0f} | {pct} | {f / 1e9:.2f} | {rate} | {share} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["real", "narrow"], default="real")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats (median) after one warm-up")
+    ap.add_argument("--baseline", choices=sorted(BASELINES),
+                    help="also run an earlier behaviour (interleaved with the current one in every repeat) and print "
+                         "the ratio current / baseline per module")
     ap.add_argument("--cache-dir", type=Path,
                     default=Path(os.environ.get("KIMI_BENCH_CACHE", Path.home() / ".cache" / "kimi_mlx_bench")))
     args = ap.parse_args(argv)
@@ -298,53 +392,57 @@ def main(argv=None) -> int:
     print(f"model {args.model}: {describe(config)} ({time.perf_counter() - t0:.1f}s to build)")
     T, hidden = args.tokens, cfg.hidden_size
     tokens = mx.random.randint(0, cfg.vocab_size, (1, T), key=mx.random.key(3))
-    a = mx.random.normal((T, hidden), key=mx.random.key(4))
     w = mx.random.normal((hidden, GEMM_OUT), key=mx.random.key(5)) * hidden**-0.5
+    a = mx.random.normal((T, hidden), key=mx.random.key(4))
+    full, probe = gemm_probe(a, w), gemm_probe(a[: min(T, PROBE_ROWS)], w)
     mx.eval(tokens, a, w)
-
-    gemm, whole, stages = [], [], defaultdict(list)
-    for i in range(args.repeats + 1):  # repeat 0: warm-up
-        g = gemm_seconds(a, w)
-        staged_logits, times = staged_forward(model, tokens)
-        logits, t_whole = whole_prefill(model, tokens)
-        if i == 0:
-            diff = mx.abs(staged_logits - logits).max().item()
-            print(f"staged vs whole forward: max |logit diff| {diff:.2e} (max |logit| {mx.abs(logits).max().item():.1f})")
-            continue
-        gemm.append(g)
-        whole.append(t_whole)
-        for k, v in times.items():
-            stages[k].append(v)
-        print(f"  repeat {i}: GEMM {g * 1e3:.0f} ms, staged {sum(times.values()):.2f} s, whole {t_whole:.2f} s",
-              flush=True)
-
-    rate = 2.0 * T * hidden * GEMM_OUT / statistics.median(gemm)
     counts = layer_counts(model)
-    total_staged = sum(statistics.median(v) for v in stages.values())
-    print(f"\nGEMM rate: {rate / 1e9:.1f} GFLOP/s ([{T}, {hidden}] x [{hidden}, {GEMM_OUT}] float32; repeats "
-          f"{min(gemm) * 1e3:.0f}-{max(gemm) * 1e3:.0f} ms)")
-    print(f"| module (layers) | ms (median) | spread ms | % of staged | GFLOP | GFLOP/s | share of GEMM rate |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for row in ROW_ORDER:
-        if row not in stages:
-            continue
-        v = stages[row]
-        med = statistics.median(v)
-        flops = module_flops(cfg, T, row) * counts.get(row, 0)
-        rate_s = f"{flops / med / 1e9:.1f}" if flops else "-"
-        share = f"{100 * flops / med / rate:.0f}%" if flops else "-"
-        n = f" ({counts[row]})" if row in counts else ""
-        print(f"| {row}{n} | {med * 1e3:.0f} | {min(v) * 1e3:.0f}-{max(v) * 1e3:.0f} | {100 * med / total_staged:.1f}% "
-              f"| {flops / 1e9:.2f} | {rate_s} | {share} |")
-    flops_all = sum(module_flops(cfg, T, r) * counts.get(r, 0) for r in ROW_ORDER)
-    print(f"| staged total | {total_staged * 1e3:.0f} | | 100% | {flops_all / 1e9:.1f} | "
-          f"{flops_all / total_staged / 1e9:.1f} | {100 * flops_all / total_staged / rate:.0f}% |")
-    med = statistics.median(whole)
-    print(f"| whole-model prefill | {med * 1e3:.0f} | {min(whole) * 1e3:.0f}-{max(whole) * 1e3:.0f} | | "
-          f"{flops_all / 1e9:.1f} | {flops_all / med / 1e9:.1f} | {100 * flops_all / med / rate:.0f}% |")
-    print(f"\nwhole-model prefill: {T / med:.1f} tok/s")
-    return 0
+    flops = {r: module_flops(cfg, T, r) * counts.get(r, 0) for r in ROW_ORDER}
+    flops_all = sum(flops.values())
 
+    variants = [Variant("current")]
+    if args.baseline:
+        variants.insert(0, Variant(f"baseline {args.baseline}", BASELINES[args.baseline]))
+    gemm = []
+    for i in range(args.repeats + 1):  # repeat 0: warm-up
+        g = statistics.median(full() for _ in range(3))
+        outs = {}
+        for v in variants if i % 2 else variants[::-1]:
+            staged_logits, outs[v.name] = v.run(model, tokens, probe, flops, flops_all)
+            if i == 0:
+                diff = mx.abs(staged_logits - outs[v.name]).max().item()
+                print(f"{v.name}: staged vs whole forward: max |logit diff| {diff:.2e} (max |logit| "
+                      f"{mx.abs(staged_logits).max().item():.1f})")
+            else:
+                v.record(flops, flops_all)
+        if i == 0 and len(variants) > 1:
+            a_, b_ = (outs[v.name] for v in variants)
+            print(f"current vs baseline: max |logit diff| {mx.abs(a_ - b_).max().item():.2e}")
+        if i:
+            gemm.append(g)
+            print(f"  repeat {i}: GEMM {g / 1e9:.0f} GFLOP/s; " + "; ".join(
+                f"{v.name}: staged {v.times['staged total'][-1]:.2f} s, whole {v.times['whole-model prefill'][-1]:.2f} s"
+                for v in variants), flush=True)
+
+    print(f"\nGEMM rate: {statistics.median(gemm) / 1e9:.1f} GFLOP/s ([{T}, {hidden}] x [{hidden}, {GEMM_OUT}] float32, "
+          f"median of 3 per repeat; repeats {min(gemm) / 1e9:.0f}-{max(gemm) / 1e9:.0f}); each module's share is "
+          f"against the probe ([{min(T, PROBE_ROWS)}, {hidden}] x [{hidden}, {GEMM_OUT}]) run just before it")
+    for v in variants:
+        v.table(flops, flops_all, counts)
+    if len(variants) > 1:
+        base, cur = variants
+        print("\ncurrent / baseline (median of the per-repeat ratios; wall and CPU time):")
+        print("| module | baseline ms | current ms | wall ratio | CPU ratio |")
+        print("|---|---:|---:|---:|---:|")
+        for row in ROW_ORDER + ["staged total", "whole-model prefill"]:
+            if row in cur.times and row in base.times:
+                wr = statistics.median(c / b for c, b in zip(cur.times[row], base.times[row]))
+                cr = statistics.median(c / b for c, b in zip(cur.cpu[row], base.cpu[row]))
+                print(f"| {row} | {statistics.median(base.times[row]) * 1e3:.0f} | "
+                      f"{statistics.median(cur.times[row]) * 1e3:.0f} | {wr:.2f} | {cr:.2f} |")
+    T_whole = statistics.median(variants[-1].times["whole-model prefill"])
+    print(f"\nwhole-model prefill (current): {T / T_whole:.1f} tok/s")
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())
