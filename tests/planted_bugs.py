@@ -999,6 +999,11 @@ BUGS: tuple[PlantedBug, ...] = (
           "        y = (self._masked if inds.size < 64 else self._compacted)(z, inds, local)\n"),),
         ("tests/test_parallel_tensor.py::test_expert_parallel_decode_runs_only_local_pairs",),
     ),
+    PlantedBug(
+        "MLA prefill: causal row trimming also skips the row that sees a key block's first key",
+        (("kimi_mlx/ops/mla_paths.py", "return max(0, s0 - (S - T))", "return max(0, s0 - (S - T) + 1)"),),
+        ("tests/test_mla_blockwise.py::test_layer_blockwise_equals_fused",),
+    ),
 )
 
 

@@ -133,14 +133,25 @@ def _after(pieces: list[Piece], done: list[mx.array]) -> list[Piece]:
     return list(zip(waited[::2], waited[1::2]))
 
 
-Attend = Callable[[list[Piece]], tuple[mx.array, Callable[[mx.array], mx.array]]]
+Attend = Callable[[list[Piece], int], tuple[mx.array, Callable[[mx.array], mx.array]]]
+
+
+def first_row(mask: Mask, T: int, S: int, s0: int) -> int:
+    """The first of the T query rows that may see key ``s0`` or a later one: under a causal mask ("causal" or
+    ``LeftPaddedCausal``, queries at positions S - T .. S - 1) the rows before position ``s0`` see no key from ``s0``
+    on; 0 for other masks."""
+    if mask == "causal" or isinstance(mask, LeftPaddedCausal):
+        return max(0, s0 - (S - T))
+    return 0
 
 
 def _online_softmax(kv_latent: list, k_pe: list, key_block: int, span: bool, mask: Mask, T: int,
-                    attend: Attend) -> mx.array:
-    """softmax(scores) @ values over the key blocks (``_blocks``), float32 [B, H, T, d]. ``attend(pieces)`` gives a
-    block's scores [B, H, T, n] and the function that maps its probabilities [B, H, T, n] (float32) to their weighted
-    sum of values [B, H, T, d]."""
+                    attend: Attend, trim_rows: bool = False) -> mx.array:
+    """softmax(scores) @ values over the key blocks (``_blocks``), float32 [B, H, T, d]. ``attend(pieces, r0)`` gives
+    a block's scores for query rows r0.. [B, H, T - r0, n] and the function that maps their probabilities (float32,
+    same shape) to their weighted sum of values [B, H, T - r0, d]. With ``trim_rows`` a block is attended only by the
+    rows that may see one of its keys (``first_row``: under a causal mask, a prefill chunk's later key blocks skip
+    its earlier rows, whose running state a fully hidden block leaves unchanged); else r0 = 0."""
     widths = [latent.width(c) for c in kv_latent]
     S = sum(widths)
     m = l = acc = None
@@ -149,20 +160,27 @@ def _online_softmax(kv_latent: list, k_pe: list, key_block: int, span: bool, mas
         pieces = [(latent.positions(kv_latent[i], b0, b1), latent.positions(k_pe[i], b0, b1)) for i, b0, b1 in block]
         if acc is not None:
             pieces = _after(pieces, [m, l, acc])
-        s, weigh = attend(pieces)
-        s = s.astype(mx.float32)
+        r0 = first_row(mask, T, S, s0) if trim_rows and m is not None else 0
+        s, weigh = attend(pieces, r0)
+        s = s.astype(mx.float32)  # [B, H, T - r0, n]
         n = s.shape[-1]
         bm = block_mask(mask, T, S, s0, s0 + n)
         if bm is not None:
-            s = mx.where(bm, s, mx.finfo(mx.float32).min)
-        m_new = s.max(axis=-1, keepdims=True) if m is None else mx.maximum(m, s.max(axis=-1, keepdims=True))
-        p = mx.exp(s - m_new)
-        pv = weigh(p)
+            s = mx.where(bm[..., r0:, :], s, mx.finfo(mx.float32).min)
         if m is None:
-            l, acc = p.sum(axis=-1, keepdims=True), pv.astype(mx.float32)
+            m_new = s.max(axis=-1, keepdims=True)
+            p = mx.exp(s - m_new)
+            l, acc = p.sum(axis=-1, keepdims=True), weigh(p).astype(mx.float32)
         else:
-            alpha = mx.exp(m - m_new)
-            l, acc = l * alpha + p.sum(axis=-1, keepdims=True), acc * alpha + pv
+            mt, lt, at = (x[..., r0:, :] for x in (m, l, acc)) if r0 else (m, l, acc)
+            m_new = mx.maximum(mt, s.max(axis=-1, keepdims=True))
+            p = mx.exp(s - m_new)
+            alpha = mx.exp(mt - m_new)
+            lt, at = lt * alpha + p.sum(axis=-1, keepdims=True), at * alpha + weigh(p)
+            if r0:  # rows before r0 keep their state
+                m_new, lt, at = (mx.concatenate([x[..., :r0, :], y], axis=-2) for x, y in ((m, m_new), (l, lt),
+                                                                                        (acc, at)))
+            l, acc = lt, at
         m = m_new
         s0 += n
     return acc / l
@@ -176,7 +194,7 @@ def absorbed_blocks(q_nope, q_pe, kv_latent: list, k_pe: list, embed_q, unembed_
     q_lat = (embed_q(q_nope) * scale).reshape(B, 1, H * T, -1)
     q_rot = (q_pe * scale).reshape(B, 1, H * T, -1)
 
-    def attend(pieces: list[Piece]):
+    def attend(pieces: list[Piece], r0: int):  # r0 = 0: blocks are not trimmed here
         s = mx.concatenate([latent.addmm(latent.matmul(q_rot, kr), q_lat, c) for c, kr in pieces], axis=-1)
         n = s.shape[-1]
 
@@ -202,11 +220,12 @@ def expanded_blocks(q_nope, q_pe, kv_latent: list, k_pe: list, embed_q, unembed_
     T = q_nope.shape[2]
     q_nope, q_pe = q_nope * scale, q_pe * scale
 
-    def attend(pieces: list[Piece]):
+    def attend(pieces: list[Piece], r0: int):
         [(c, kr)] = pieces
         c, kr = latent.dequantize(c), latent.dequantize(kr)
-        v = unembed_out(c)
-        s = q_nope @ embed_q(c, transpose=False).swapaxes(-1, -2) + q_pe @ kr.swapaxes(-1, -2)
+        v = unembed_out(c)  # [B, H, n, dv]
+        qn, qp = (q_nope[:, :, r0:], q_pe[:, :, r0:]) if r0 else (q_nope, q_pe)  # [B, H, T - r0, .]
+        s = qn @ embed_q(c, transpose=False).swapaxes(-1, -2) + qp @ kr.swapaxes(-1, -2)
         return s, lambda p: p.astype(v.dtype) @ v
 
-    return _online_softmax(kv_latent, k_pe, key_block, False, mask, T, attend).astype(q_nope.dtype)
+    return _online_softmax(kv_latent, k_pe, key_block, False, mask, T, attend, trim_rows=True).astype(q_nope.dtype)
