@@ -24,10 +24,13 @@ MoE (router; routed experts incl. the weighted sum; shared expert), dense MLP, h
 "norms, residuals, embedding". FLOPs: 2 m n k per matmul; for the scan the chunked form with 16-token chunks
 (per token and head 6 Dk Dv for the state terms plus 2 * 16 * (3 Dk + 2 Dv) inside the chunk); causal attention
 counts T (T + 1) / 2 query-key pairs; elementwise modules count 0 (any time they take is above the GEMM bound).
-``share`` = (FLOPs / time) / GEMM rate.
+``share`` = FLOPs / (time x the probe's FLOP/s). Also printed: process CPU time per module. ``--baseline NAME``
+runs an earlier behaviour (``BASELINES``) interleaved with the current code in every repeat and prints per-module
+ratios current / baseline.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python bench/profile_prefill.py
     LD_PRELOAD=... python bench/profile_prefill.py --model narrow --tokens 2048 --repeats 3
+    LD_PRELOAD=... python bench/profile_prefill.py --baseline moe-copied-experts
 """
 
 from __future__ import annotations
@@ -303,8 +306,16 @@ def _untrimmed_mla():
     return mla_paths, "first_row", lambda *args: 0
 
 
+def _copied_experts():
+    """The sorted MoE path reading each expert's weights by integer indexing (a copy per call)."""
+    from kimi_mlx.layers import moe
+
+    return moe, "expert_view", lambda stack, e: stack[e]
+
+
 BASELINES = {  # --baseline NAME: (object, attribute, replacement) that restores an earlier behaviour
     "mla-untrimmed": _untrimmed_mla,
+    "moe-copied-experts": _copied_experts,
 }
 
 
@@ -351,7 +362,8 @@ class Variant:
     def table(self, flops: dict, flops_all: float, counts: dict) -> None:
         total = statistics.median(self.times["staged total"])
         print(f"\n{self.name}:")
-        print("| module (layers) | ms | spread ms | CPU ms | % of staged | GFLOP | GFLOP/s | share of GEMM rate (spread) |")
+        print("| module (layers) | ms | spread ms | CPU ms | % of staged | GFLOP | GFLOP/s "
+              "| share of GEMM rate (spread) |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for row in ROW_ORDER + ["staged total", "whole-model prefill"]:
             if row not in self.times:
@@ -421,10 +433,11 @@ def main(argv=None) -> int:
         if i:
             gemm.append(g)
             print(f"  repeat {i}: GEMM {g / 1e9:.0f} GFLOP/s; " + "; ".join(
-                f"{v.name}: staged {v.times['staged total'][-1]:.2f} s, whole {v.times['whole-model prefill'][-1]:.2f} s"
-                for v in variants), flush=True)
+                f"{v.name}: staged {v.times['staged total'][-1]:.2f} s, "
+                f"whole {v.times['whole-model prefill'][-1]:.2f} s" for v in variants), flush=True)
 
-    print(f"\nGEMM rate: {statistics.median(gemm) / 1e9:.1f} GFLOP/s ([{T}, {hidden}] x [{hidden}, {GEMM_OUT}] float32, "
+    print(f"\nGEMM rate: {statistics.median(gemm) / 1e9:.1f} GFLOP/s ([{T}, {hidden}] x [{hidden}, {GEMM_OUT}] "
+          f"float32, "
           f"median of 3 per repeat; repeats {min(gemm) / 1e9:.0f}-{max(gemm) / 1e9:.0f}); each module's share is "
           f"against the probe ([{min(T, PROBE_ROWS)}, {hidden}] x [{hidden}, {GEMM_OUT}]) run just before it")
     for v in variants:

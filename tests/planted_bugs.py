@@ -1004,6 +1004,12 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/ops/mla_paths.py", "return max(0, s0 - (S - T))", "return max(0, s0 - (S - T) + 1)"),),
         ("tests/test_mla_blockwise.py::test_layer_blockwise_equals_fused",),
     ),
+    PlantedBug(
+        "MoE sorted path: each expert's rows go through the previous expert's weights (view off by one)",
+        (("kimi_mlx/layers/moe.py", "return stack[e : e + 1].reshape(stack.shape[1:])",
+          "return stack[max(e - 1, 0) : max(e - 1, 0) + 1].reshape(stack.shape[1:])"),),
+        ("tests/test_moe.py::test_sorted_path_matches_switchglu",),
+    ),
 )
 
 

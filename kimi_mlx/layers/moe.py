@@ -131,26 +131,32 @@ def _sortable(layer: nn.Module) -> bool:
     return type(layer) is QuantizedSwitchLinear and getattr(layer, "global_scale", None) is None
 
 
+def expert_view(stack: mx.array, e: int) -> mx.array:
+    """``stack[e]`` ([E, ...] -> [...]) without a copy: integer indexing gathers (copies the expert's whole weight
+    at every call), a one-expert slice reshaped is a view of the stack."""
+    return stack[e : e + 1].reshape(stack.shape[1:])
+
+
 def _expert_linear(layer: nn.Module, x: mx.array, e: int) -> mx.array:
     """x [n, in] through expert ``e`` of a (Quantized / GGML)SwitchLinear stack, or of mlx-lm's ``LoRASwitchLinear``
     (``y + scale * (dropout(x) @ lora_a[e]^T) @ lora_b[e]^T``) -> [n, out]."""
     if type(layer) is LoRASwitchLinear:
-        z = (layer.dropout(x) @ layer["lora_a"][e].T) @ layer["lora_b"][e].T
+        z = (layer.dropout(x) @ expert_view(layer["lora_a"], e).T) @ expert_view(layer["lora_b"], e).T
         return _expert_linear(layer.linear, x, e) + (layer.scale * z).astype(x.dtype)
     if type(layer) is GGMLSwitchLinear:  # the expert's blocks dequantized in bounded row chunks, then matmuls
         y = ggml_expert_matmul(x, layer["weight"], layer.ggml_type, e)
     elif isinstance(layer, QuantizedSwitchLinear):
-        w, scales, biases = layer["weight"][e], layer["scales"][e], layer.get("biases")
-        biases = None if biases is None else biases[e]
+        w, scales, biases = expert_view(layer["weight"], e), expert_view(layer["scales"], e), layer.get("biases")
+        biases = None if biases is None else expert_view(biases, e)
         q = dict(group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
         if x.shape[0] >= DEQUANT_MIN_ROWS:  # dequantize the one expert, then a BLAS matmul
             y = x @ mx.dequantize(w, scales, biases, **q).astype(x.dtype).T
         else:
             y = mx.quantized_matmul(x, w, scales, biases, transpose=True, **q)
     else:
-        y = x @ layer["weight"][e].T
+        y = x @ expert_view(layer["weight"], e).T
     if "bias" in layer:
-        y = y + layer["bias"][e]
+        y = y + expert_view(layer["bias"], e)
     return y
 
 
