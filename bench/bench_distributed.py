@@ -98,20 +98,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def pinned_launch(worker_cmd: list[str], n: int, out: Path) -> list[str]:
+    """The command running ``worker_cmd`` on ``n`` ring ranks under mlx.launch, each pinned to its own core (a pin
+    script written into ``out``); ``n`` = 1: one process on core 0."""
+    if n == 1:
+        return ["taskset", "-c", "0", *worker_cmd]
+    pin = out / "pin.sh"
+    pin.write_text(f'#!/bin/bash\nexec taskset -c $((MLX_RANK % {os.cpu_count()})) "$@"\n')
+    pin.chmod(0o755)
+    launcher = shutil.which("mlx.launch", path=os.path.dirname(sys.executable)) or "mlx.launch"
+    return [launcher, "-n", str(n), "--backend", "ring", "-p", str(_free_port()), "--", str(pin), *worker_cmd]
+
+
 def run_mode(mode: str, n: int, path: Path, args: argparse.Namespace, out: Path) -> list[dict]:
     """Run the worker for ``mode`` on ``n`` pinned ranks (``n`` = 1: one process on core 0); each rank's result."""
     worker_cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--path", str(path),
                   "--prompt", str(args.prompt), "--decode", str(args.decode), "--runs", str(args.runs),
                   "--out", str(out)]
-    if n == 1:
-        cmd = ["taskset", "-c", "0", *worker_cmd]
-    else:
-        pin = out / "pin.sh"
-        pin.write_text(f'#!/bin/bash\nexec taskset -c $((MLX_RANK % {os.cpu_count()})) "$@"\n')
-        pin.chmod(0o755)
-        launcher = shutil.which("mlx.launch", path=os.path.dirname(sys.executable)) or "mlx.launch"
-        cmd = [launcher, "-n", str(n), "--backend", "ring", "-p", str(_free_port()), "--", str(pin), *worker_cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(pinned_launch(worker_cmd, n, out), capture_output=True, text=True, timeout=1800)
     files = [out / f"{mode}-rank{r}.json" for r in range(n)]
     if not all(f.exists() for f in files):  # mlx.launch exits 0 even when a rank fails
         sys.exit(f"{mode} on {n} rank(s) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -30,9 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -156,26 +153,14 @@ def worker(args) -> None:
     Path(args.out, f"{args.simulate_one}-rank{group.rank()}.json").write_text(json.dumps(out))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args, n_ranks: int, simulate: int, out: Path) -> list[dict]:
     """The worker on ``n_ranks`` pinned ranks (1: one process on core 0 holding rank 0's share of ``simulate``)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--simulate-one", str(simulate),
            "--experts", str(args.experts), "--bits", str(args.bits), "--runs", str(args.runs),
            "--prompt", str(args.prompt), "--decode", str(args.decode), "--out", str(out)]
-    if n_ranks == 1:
-        cmd = ["taskset", "-c", "0", *cmd]
-    else:
-        pin = out / "pin.sh"
-        pin.write_text(f'#!/bin/bash\nexec taskset -c $((MLX_RANK % {os.cpu_count()})) "$@"\n')
-        pin.chmod(0o755)
-        launcher = shutil.which("mlx.launch", path=os.path.dirname(sys.executable)) or "mlx.launch"
-        cmd = [launcher, "-n", str(n_ranks), "--backend", "ring", "-p", str(_free_port()), "--", str(pin), *cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    from bench_distributed import pinned_launch
+
+    proc = subprocess.run(pinned_launch(cmd, n_ranks, out), capture_output=True, text=True, timeout=3600)
     files = [out / f"{simulate}-rank{r}.json" for r in range(n_ranks)]
     if not all(f.exists() for f in files):  # mlx.launch exits 0 even when a rank fails
         sys.exit(f"{n_ranks} rank(s), share of {simulate}: failed\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
