@@ -31,6 +31,7 @@ from mlx_lm.models.switch_layers import (
 from mlx_lm.tuner.lora import LoRASwitchLinear
 
 from ..config import KimiConfig
+from ..ops.experts import expert_view
 from ..ops.ggml import ggml_expert_matmul
 from .ggml import GGMLSwitchLinear
 from .norm import RMSNorm
@@ -129,12 +130,6 @@ def _sortable(layer: nn.Module) -> bool:
     if type(layer) in (SwitchLinear, GGMLSwitchLinear):
         return True
     return type(layer) is QuantizedSwitchLinear and getattr(layer, "global_scale", None) is None
-
-
-def expert_view(stack: mx.array, e: int) -> mx.array:
-    """``stack[e]`` ([E, ...] -> [...]) without a copy: integer indexing gathers (copies the expert's whole weight
-    at every call), a one-expert slice reshaped is a view of the stack."""
-    return stack[e : e + 1].reshape(stack.shape[1:])
 
 
 def _expert_linear(layer: nn.Module, x: mx.array, e: int) -> mx.array:

@@ -17,6 +17,7 @@ import math
 import mlx.core as mx
 
 from ... import metal
+from ..experts import expert_view
 from .dequant import dequantize
 from .formats import get_format, row_bytes
 from .metal import dequantize_metal, matvec_metal
@@ -127,10 +128,11 @@ def ggml_expert_matmul(
     x: mx.array, blocks: mx.array, name: str, e: int, *, max_chunk_bytes: int = DEQUANT_CHUNK_BYTES
 ) -> mx.array:
     """x [n, K] through expert ``e`` of blocks [E, N, row_bytes] uint8 -> [n, N] in x's dtype (chunked like
-    :func:`ggml_matmul`); the per-expert product of the sorted MoE path."""
+    :func:`ggml_matmul`); the per-expert product of the sorted MoE path. Reads the expert's blocks as a view of the
+    stack (no copy)."""
     if blocks.ndim != 3:
         raise ValueError(f"{name}: expert blocks must be [E, N, row_bytes], got {tuple(blocks.shape)}")
-    return ggml_matmul(x, blocks[e], name, max_chunk_bytes=max_chunk_bytes)
+    return ggml_matmul(x, expert_view(blocks, e), name, max_chunk_bytes=max_chunk_bytes)
 
 
 def ggml_gather_matmul(
