@@ -1006,9 +1006,15 @@ BUGS: tuple[PlantedBug, ...] = (
     ),
     PlantedBug(
         "MoE sorted path: each expert's rows go through the previous expert's weights (view off by one)",
-        (("kimi_mlx/layers/moe.py", "return stack[e : e + 1].reshape(stack.shape[1:])",
+        (("kimi_mlx/ops/experts.py", "return stack[e : e + 1].reshape(stack.shape[1:])",
           "return stack[max(e - 1, 0) : max(e - 1, 0) + 1].reshape(stack.shape[1:])"),),
         ("tests/test_moe.py::test_sorted_path_matches_switchglu",),
+    ),
+    PlantedBug(
+        "MoE on a GPU: float and MLX-quantized experts stay on the per-expert loop, not SwitchGLU's segmented gather_mm",
+        (("kimi_mlx/layers/moe.py", "        not _segmented_gather(switch)\n        and (inds.size",
+          "        (inds.size"),),
+        ("tests/test_moe.py::test_gpu_dispatch",),
     ),
 )
 

@@ -4,6 +4,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from ggml_random import random_blocks
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from kimi_mlx.config import KimiConfig
@@ -79,6 +80,34 @@ def test_dispatch_threshold(monkeypatch):
         out = switch_glu(sw, x, inds)
         assert len(calls) == expect, n
         assert float(mx.abs(out - sw(x, inds)).max()) <= PATH_TOL  # outputs are below 1 in size
+
+
+@pytest.mark.parametrize("kind", ["float32", "q4-affine", "lora", "ggml"])
+def test_gpu_dispatch(monkeypatch, kind):
+    """On a GPU backend switch_glu runs SwitchGLU (its sorted gather_mm / gather_qmm is one segmented matmul per
+    projection there) for float, MLX-quantized and LoRA-wrapped experts at any pair count, and keeps the sorted path
+    for GGML blocks; the result is SwitchGLU's either way."""
+    from mlx_lm.tuner.lora import LoRASwitchLinear
+
+    from kimi_mlx.layers.ggml import to_ggml
+
+    sw = _switch(kind == "q4-affine")
+    if kind == "lora":
+        sw.gate_proj = LoRASwitchLinear.from_base(sw.gate_proj, r=4)
+        sw.gate_proj.lora_b = mx.random.normal(sw.gate_proj.lora_b.shape) * 0.1
+    if kind == "ggml":
+        to_ggml(sw, {"gate_proj": "IQ4_NL"})
+        sw.gate_proj.weight = mx.array(random_blocks("IQ4_NL", (E, INTER, HIDDEN), np.random.default_rng(0)))
+    mx.eval(sw.parameters())
+    calls = []
+    real = moe.sorted_switch_glu
+    monkeypatch.setattr(moe, "sorted_switch_glu", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(moe, "_on_gpu", lambda: True)
+    x, inds = _inputs(SORTED_MIN_PAIRS // K + 37)
+    out = switch_glu(sw, x, inds)
+    assert len(calls) == (kind == "ggml")
+    ref = sw(x, inds)
+    assert float(mx.abs(out - ref).max()) <= PATH_TOL * float(mx.abs(ref).max())
 
 
 def test_compile_falls_back():

@@ -5,10 +5,16 @@ Routed experts are stacked (``switch_mlp.{gate,up,down}_proj.weight: [E, out, in
 layout, float, MLX-quantized or GGML blocks: ``layers/ggml.py``).
 
 Two ways to run the routed experts, same parameters, same result:
-- few (token, slot) pairs (decode): mlx-lm's ``SwitchGLU`` (``gather_mm`` / ``gather_qmm``, one row at a time);
-- many pairs (prefill): ``sorted_switch_glu`` sorts the pairs by expert and runs every expert as one dense matmul
-  over its contiguous rows (``quantized_matmul`` on the expert's slice for quantized stacks), from
-  ``SORTED_MIN_PAIRS`` pairs on (where each path wins: bench/README.md, ``bench_vs_mlx_lm.py``).
+- mlx-lm's ``SwitchGLU``: ``gather_mm`` / ``gather_qmm`` per projection; from 64 pairs on it sorts the pairs by
+  expert first (one row gather, one ``gather_mm`` with ``sorted_indices`` per projection, one unsort gather). On
+  MLX's GPU backends that sorted ``gather_mm`` is one segmented matmul; MLX's CPU backend runs it one row at a time;
+- ``sorted_switch_glu`` sorts the pairs by expert and runs every expert as one dense matmul over its contiguous rows
+  (``quantized_matmul`` or dequantize + matmul on the expert's slice for quantized stacks, GGML blocks dequantized
+  one expert at a time).
+``switch_glu`` picks: on the CPU, ``sorted_switch_glu`` from ``SORTED_MIN_PAIRS`` pairs on, ``SwitchGLU`` below
+(decode; where each path wins: bench/README.md, ``bench_switch_threshold.py``, ``bench_moe_experts.py``); on a GPU,
+``SwitchGLU`` at any count for float and MLX-quantized experts, the sorted path for GGML blocks (their gather
+dequantizes the expert once per pair).
 The sorted path reads the per-expert counts on the host (one sync per MoE layer). It is differentiable (plain
 slices, matmuls and gathers), so training goes through it too; inside ``mx.compile`` / ``mx.vmap`` (no host reads)
 and for expert layers it does not know (DoRA wrappers, nvfp4 with a global scale) it falls back to SwitchGLU;
@@ -115,18 +121,22 @@ def route(
 _route_compiled = mx.compile(route)
 
 
-# Use the sorted dense-per-expert path from this many (token, slot) pairs on (tokens * top_k): below it the
-# per-expert matmuls cost more than SwitchGLU's gather_mm saves (the crossover: bench/README.md,
-# ``bench_vs_mlx_lm.py``). Decode (1 token = top_k pairs) stays on SwitchGLU.
+# On the CPU, use the sorted dense-per-expert path from this many (token, slot) pairs on (tokens * top_k): below it
+# the per-expert matmuls cost more than SwitchGLU's gather_mm saves (the crossover: bench/README.md,
+# ``bench_switch_threshold.py``). Decode (1 token = top_k pairs) stays on SwitchGLU.
 SORTED_MIN_PAIRS = 64
 # Quantized experts with at least this many rows are dequantized (one expert at a time) and run as a dense matmul:
 # the CPU quantized_matmul does not use BLAS, a dequantize + sgemm does.
 DEQUANT_MIN_ROWS = 8
 
 
+def _unwrapped(layer: nn.Module) -> nn.Module:
+    """The expert stack under mlx-lm's per-expert ``LoRASwitchLinear`` (the layer itself otherwise)."""
+    return _unwrapped(layer.linear) if type(layer) is LoRASwitchLinear else layer
+
+
 def _sortable(layer: nn.Module) -> bool:
-    if type(layer) is LoRASwitchLinear:  # per-expert LoRA (training): base expert + its low-rank update
-        return _sortable(layer.linear)
+    layer = _unwrapped(layer)  # per-expert LoRA (training): base expert + its low-rank update
     if type(layer) in (SwitchLinear, GGMLSwitchLinear):
         return True
     return type(layer) is QuantizedSwitchLinear and getattr(layer, "global_scale", None) is None
@@ -182,20 +192,33 @@ def sorted_switch_glu(switch: SwitchGLU, x: mx.array, inds: mx.array) -> mx.arra
     return y.reshape(*lead, k, y.shape[-1])
 
 
+def _on_gpu() -> bool:
+    return mx.default_device() != mx.cpu
+
+
 def _gather_mm_unsupported(switch: SwitchGLU) -> bool:
     """MLX's CPU gather_mm runs float32 only: bf16/fp16 float experts must take the sorted (plain matmul) path."""
     w = switch.gate_proj.get("weight")
     return (
-        type(switch.gate_proj) is SwitchLinear and w is not None and w.dtype != mx.float32
-        and mx.default_device() == mx.cpu
+        type(switch.gate_proj) is SwitchLinear and w is not None and w.dtype != mx.float32 and not _on_gpu()
     )
 
 
+def _segmented_gather(switch: SwitchGLU) -> bool:
+    """Whether ``SwitchGLU``'s sorted ``gather_mm`` / ``gather_qmm`` is one segmented matmul per projection for these
+    experts: on a GPU backend, float or MLX-quantized stacks (not GGML blocks, whose gather dequantizes per pair)."""
+    projections = (switch.gate_proj, switch.up_proj, switch.down_proj)
+    return _on_gpu() and not any(type(_unwrapped(p)) is GGMLSwitchLinear for p in projections)
+
+
 def switch_glu(switch: SwitchGLU, x: mx.array, inds: mx.array, min_pairs: int = SORTED_MIN_PAIRS) -> mx.array:
-    """Routed experts: ``sorted_switch_glu`` from ``min_pairs`` (token, slot) pairs on (and always for half-precision
-    float experts on the CPU backend), else ``SwitchGLU``."""
+    """Routed experts, x [..., in], inds [..., k] -> [..., k, in]: ``SwitchGLU`` where its sorted ``gather_mm`` is a
+    segmented matmul (``_segmented_gather``: GPU, float or MLX-quantized experts); otherwise ``sorted_switch_glu``
+    from ``min_pairs`` (token, slot) pairs on (and always for half-precision float experts on the CPU backend), else
+    ``SwitchGLU``."""
     if (
-        (inds.size >= min_pairs or _gather_mm_unsupported(switch))
+        not _segmented_gather(switch)
+        and (inds.size >= min_pairs or _gather_mm_unsupported(switch))
         and type(switch) is SwitchGLU
         and all(_sortable(p) for p in (switch.gate_proj, switch.up_proj, switch.down_proj))
     ):
