@@ -31,6 +31,7 @@ ratios current / baseline.
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python bench/profile_prefill.py
     LD_PRELOAD=... python bench/profile_prefill.py --model narrow --tokens 2048 --repeats 3
     LD_PRELOAD=... python bench/profile_prefill.py --baseline moe-copied-experts
+    python bench/profile_prefill.py --baseline moe-sorted-loop-on-gpu    # on a Mac: the MoE GPU dispatch
 """
 
 from __future__ import annotations
@@ -313,9 +314,18 @@ def _copied_experts():
     return moe, "expert_view", lambda stack, e: stack[e]
 
 
+def _sorted_loop_on_gpu():
+    """Routed experts on a GPU through the per-expert loop (``sorted_switch_glu``) from ``SORTED_MIN_PAIRS`` pairs on,
+    not SwitchGLU's segmented ``gather_mm``; on the CPU backend this is the current behaviour."""
+    from kimi_mlx.layers import moe
+
+    return moe, "_segmented_gather", lambda switch: False
+
+
 BASELINES = {  # --baseline NAME: (object, attribute, replacement) that restores an earlier behaviour
     "mla-untrimmed": _untrimmed_mla,
     "moe-copied-experts": _copied_experts,
+    "moe-sorted-loop-on-gpu": _sorted_loop_on_gpu,
 }
 
 
