@@ -4,7 +4,10 @@
     python bench/bench_kda.py --T 1,4,16,32,64 --chunks 16,32 --no-mlx-lm
     python bench/bench_kda.py --grad --T 512
 
-Reports the median of ``--reps`` runs (after one warm-up) in ms.
+After one warm-up of each, the paths run interleaved in every round (order reversed on alternate rounds), so a
+machine whose load changes compares them under the same load. Reports per path the median wall and process CPU time
+(``time.process_time``: all threads, steadier than wall time on shared cores) with the min-max spread, and the median
+of the per-round CPU-time ratios against the first path listed.
 """
 
 from __future__ import annotations
@@ -32,14 +35,23 @@ def make_inputs(B, T, H, D, seed=0):
     return q, k, v, g, beta
 
 
-def timeit(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
+def timeit(fns: dict, reps: int) -> dict:
+    """Interleaved timing: {name: (wall seconds per round, CPU seconds per round)} after one warm-up each."""
+    for fn in fns.values():
         fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+    res = {name: ([], []) for name in fns}
+    for r in range(reps):
+        for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
+            t, c = time.perf_counter(), time.process_time()
+            fns[name]()
+            res[name][0].append(time.perf_counter() - t)
+            res[name][1].append(time.process_time() - c)
+    return res
+
+
+def spread(xs) -> str:
+    """'median (min-max)' in ms."""
+    return f"{statistics.median(xs) * 1e3:.1f} ({min(xs) * 1e3:.0f}-{max(xs) * 1e3:.0f})"
 
 
 def main():
@@ -70,7 +82,7 @@ def main():
             fns["recurrent"] = kda_recurrent
         if not args.no_mlx_lm and gated_delta_ops is not None and not args.grad:
             fns["mlx-lm gated_delta_ops"] = gated_delta_ops
-        row = []
+        runs = {}
         for name, fn in fns.items():
             if args.grad:
                 def loss(*a, fn=fn):
@@ -78,13 +90,21 @@ def main():
                     return (o * o).sum() + s.sum()
 
                 vg = mx.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
-                run = lambda vg=vg: mx.eval(vg(*inputs))  # noqa: E731
+                runs[name] = lambda vg=vg: mx.eval(vg(*inputs))  # noqa: E731
             else:
-                run = lambda fn=fn: mx.eval(fn(*inputs))  # noqa: E731
-            reps = args.reps if (T <= 512 or "chunked" in name) else 1
-            ms = timeit(run, reps)
-            row.append(f"{name}: {ms:.1f} ms ({ms / T:.2f} ms/tok)")
-        print(f"T={T}: " + " | ".join(row), flush=True)
+                runs[name] = lambda fn=fn: mx.eval(fn(*inputs))  # noqa: E731
+        if T > 512:  # the token-by-token paths take seconds here: one timed run each
+            slow = {n: runs.pop(n) for n in list(runs) if "chunked" not in n}
+            res = {**timeit(runs, args.reps), **timeit(slow, 1)} if slow else timeit(runs, args.reps)
+        else:
+            res = timeit(runs, args.reps)
+        first = next(iter(res))
+        print(f"T={T} ({args.reps} interleaved rounds; ms: median (min-max); CPU ratio vs {first}):")
+        for name, (wall, cpu) in res.items():
+            same_rounds = len(cpu) == len(res[first][1])
+            ratio = statistics.median(c / c0 for c, c0 in zip(cpu, res[first][1])) if same_rounds else float("nan")
+            print(f"  {name}: wall {spread(wall)}, CPU {spread(cpu)}, CPU ratio {ratio:.2f}, "
+                  f"{statistics.median(wall) * 1e3 / T:.2f} ms/tok", flush=True)
 
 
 if __name__ == "__main__":
