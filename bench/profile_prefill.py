@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_mlx_lm import CONFIG, blas_in_use, checkpoint_dir, describe, load_kimi  # noqa: E402
 
 from kimi_mlx.config import KimiConfig  # noqa: E402
+from kimi_mlx.layers import kda as kda_layer  # noqa: E402
 from kimi_mlx.layers.kda import short_conv  # noqa: E402
 from kimi_mlx.layers.moe import switch_glu  # noqa: E402
 from kimi_mlx.models.kimi_linear import Model, layer_masks  # noqa: E402
@@ -189,9 +190,7 @@ def kda_staged(st: Stages, attn, x: mx.array, cache, mask) -> mx.array:
     o, state = st("KDA scan", lambda: kda_forward(qn, kn, v, gg, beta, state=state0, mask=mask))
 
     def out_norm():
-        gate = mx.sigmoid(g.astype(mx.float32)).reshape(B, T, H, D)
-        y = mx.fast.rms_norm(o.astype(mx.float32), p.norm_weight.astype(mx.float32), p.norm_eps) * gate
-        return y.reshape(B, T, H * D)
+        return kda_layer.gated_rms_norm(o, g.reshape(B, T, H, D), p.norm_weight, p.norm_eps).reshape(B, T, H * D)
 
     y = st("KDA output norm * gate", out_norm)
     cache.conv_state, cache.recurrent_state = conv_state, state
@@ -313,7 +312,16 @@ def _copied_experts():
     return moe, "expert_view", lambda stack, e: stack[e]
 
 
-BASELINES = {  # --baseline NAME: (object, attribute, replacement) that restores an earlier behaviour
+def _uncompiled_kda_elementwise():
+    """The KDA prologue (q/k L2 norm, decay, beta) and the output RMSNorm * gate as uncompiled graphs."""
+    from kimi_mlx.ops import kda_gates
+
+    return [(kda_gates, "_prologue", kda_gates._prologue_graph),
+            (kda_layer, "gated_rms_norm", kda_layer._gated_rms_norm)]  # fmt: skip
+
+
+BASELINES = {  # --baseline NAME: (object, attribute, replacement), or a list of them, restoring an earlier behaviour
+    "kda-uncompiled-elementwise": _uncompiled_kda_elementwise,
     "mla-untrimmed": _untrimmed_mla,
     "moe-copied-experts": _copied_experts,
 }
@@ -328,10 +336,10 @@ class Variant:
 
     def run(self, model, tokens, probe, flops: dict, flops_all: float) -> tuple[mx.array, mx.array]:
         """One staged forward, then one whole prefill between two probes; returns (staged, whole) logits."""
-        undo = None
-        if self.patch:
-            obj, attr, repl = self.patch()
-            undo = (obj, attr, getattr(obj, attr))
+        patches = self.patch() if self.patch else []
+        patches = [patches] if isinstance(patches, tuple) else patches
+        undo = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+        for obj, attr, repl in patches:
             setattr(obj, attr, repl)
         try:
             staged_logits, st = staged_forward(model, tokens, probe)
@@ -341,8 +349,8 @@ class Variant:
             c_whole = time.process_time() - c0
             r1 = probe()
         finally:
-            if undo:
-                setattr(*undo)
+            for u in undo:
+                setattr(*u)
         self.last = (st, t_whole, c_whole, (r0 + r1) / 2)
         return staged_logits, logits
 

@@ -1010,6 +1010,12 @@ BUGS: tuple[PlantedBug, ...] = (
           "return stack[max(e - 1, 0) : max(e - 1, 0) + 1].reshape(stack.shape[1:])"),),
         ("tests/test_moe.py::test_sorted_path_matches_switchglu",),
     ),
+    PlantedBug(
+        "KDA chunked scan: the state update accumulates into the undecayed state",
+        (("kimi_mlx/ops/kda_chunked.py", "S = decay[..., :, None] * S + kg.swapaxes(-1, -2) @ vnew",
+          "S = S + kg.swapaxes(-1, -2) @ vnew"),),
+        ("tests/test_kda_ops.py::test_long_sequence_chunked_vs_reference",),
+    ),
 )
 
 
