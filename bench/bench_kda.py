@@ -3,6 +3,7 @@
     python bench/bench_kda.py                       # T = 512, 2048; B=1, H=32, Dk=Dv=128
     python bench/bench_kda.py --T 1,4,16,32,64 --chunks 16,32 --no-mlx-lm
     python bench/bench_kda.py --grad --T 512
+    python bench/bench_kda.py --layer real --grad --T 512 --reps 9   # one KDA layer vs the uncompiled elementwise
 
 After one warm-up of each, the paths run interleaved in every round (order reversed on alternate rounds), so a
 machine whose load changes compares them under the same load. Reports per path the median wall and process CPU time
@@ -14,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from kimi_mlx.ops.kda_chunked import kda_chunked
 from kimi_mlx.ops.kda_recurrent import kda_recurrent
@@ -54,6 +58,49 @@ def spread(xs) -> str:
     return f"{statistics.median(xs) * 1e3:.1f} ({min(xs) * 1e3:.0f}-{max(xs) * 1e3:.0f})"
 
 
+def layer_rounds(args) -> None:
+    """``--layer``: one ``KimiDeltaAttention`` layer (projections, short conv, gates, scan, output norm * gate,
+    o_proj) at the real (hidden 2304, 32 heads) or narrow (hidden 768, 6 heads) width, random weights in
+    ``profile_prefill.randomize``'s scales, forward or (``--grad``) value_and_grad of sum(y^2) over its parameters;
+    current code vs ``profile_prefill``'s ``kda-uncompiled-elementwise`` baseline, interleaved."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from profile_prefill import BASELINES, REAL_WIDTH, randomize
+
+    from bench_vs_mlx_lm import CONFIG
+    from kimi_mlx.config import KimiConfig
+    from kimi_mlx.layers.kda import KimiDeltaAttention
+
+    layer = KimiDeltaAttention(KimiConfig.from_hf(REAL_WIDTH if args.layer == "real" else CONFIG))
+    randomize(layer)
+    print(f"device={mx.default_device()} KDA layer {args.layer}: hidden {layer.o_proj.weight.shape[0]}, "
+          f"{layer.num_heads} heads x {layer.head_dim}, grad={args.grad}")
+    patches = BASELINES["kda-uncompiled-elementwise"]()
+    for T in (int(t) for t in args.T.split(",")):
+        x = mx.random.normal((args.B, T, layer.o_proj.weight.shape[0]), key=mx.random.key(1))
+        if args.grad:
+            vg = nn.value_and_grad(layer, lambda x: (layer(x) ** 2).sum())
+            run = lambda: mx.eval(vg(x))  # noqa: E731
+        else:
+            run = lambda: mx.eval(layer(x))  # noqa: E731
+
+        def baseline():
+            undo = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+            for obj, attr, repl in patches:
+                setattr(obj, attr, repl)
+            try:
+                run()
+            finally:
+                for u in undo:
+                    setattr(*u)
+
+        res = timeit({"current": run, "baseline kda-uncompiled-elementwise": baseline}, args.reps)
+        print(f"T={T} ({args.reps} interleaved rounds; ms: median (min-max)):")
+        for name, (wall, cpu) in res.items():
+            print(f"  {name}: wall {spread(wall)}, CPU {spread(cpu)}")
+        ratio = statistics.median(c / b for c, b in zip(*(r[1] for r in res.values())))
+        print(f"  current / baseline CPU: {ratio:.2f}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--B", type=int, default=1)
@@ -65,7 +112,11 @@ def main():
     ap.add_argument("--no-recurrent", action="store_true")
     ap.add_argument("--no-mlx-lm", action="store_true")
     ap.add_argument("--grad", action="store_true", help="time value_and_grad of a scalar loss instead of forward")
+    ap.add_argument("--layer", choices=["real", "narrow"],
+                    help="time one KDA layer at this width against the uncompiled-elementwise baseline instead")
     args = ap.parse_args()
+    if args.layer:
+        return layer_rounds(args)
 
     try:
         from mlx_lm.models.gated_delta import gated_delta_ops

@@ -91,9 +91,16 @@ def random_model(config: dict, seed: int = 0) -> Model:
     (matrices N(0, 1/in), o/down projections x0.5, norms 1 + 0.05 N, A_log log U(1, 20), dt_bias 0.5 N - 2, convs
     0.5 N, router bias 0.05 N, embedding N(0, 1)), drawn in MLX one tensor at a time."""
     model = Model(KimiConfig.from_hf(config))
+    randomize(model, seed)
+    model.eval()
+    return model
+
+
+def randomize(module, seed: int = 0) -> None:
+    """Draw every parameter of ``module`` in the scales ``random_model`` describes (in place)."""
     key = mx.random.key(seed)
     params = []
-    for name, p in tree_flatten(model.parameters()):
+    for name, p in tree_flatten(module.parameters()):
         key, sub = mx.random.split(key)
         n = mx.random.normal(p.shape, key=sub)
         if name.endswith("A_log"):
@@ -114,9 +121,7 @@ def random_model(config: dict, seed: int = 0) -> Model:
             w = n * (gain / fan_in**0.5)
         mx.eval(w)
         params.append((name, w))
-    model.update(tree_unflatten(params))
-    model.eval()
-    return model
+    module.update(tree_unflatten(params))
 
 
 # ------------------------------------------------------------------------------------------------- FLOPs
