@@ -3,7 +3,7 @@
     python bench/bench_kda.py                       # T = 512, 2048; B=1, H=32, Dk=Dv=128
     python bench/bench_kda.py --T 1,4,16,32,64 --chunks 16,32 --no-mlx-lm
     python bench/bench_kda.py --grad --T 512
-    python bench/bench_kda.py --layer real --grad --T 512 --reps 9   # one KDA layer vs the uncompiled elementwise
+    python bench/bench_kda.py --layer real --grad --T 512 --reps 9   # one KDA layer vs the uncompiled output norm
 
 After one warm-up of each, the paths run interleaved in every round (order reversed on alternate rounds), so a
 machine whose load changes compares them under the same load. Reports per path the median wall and process CPU time
@@ -62,7 +62,7 @@ def layer_rounds(args) -> None:
     """``--layer``: one ``KimiDeltaAttention`` layer (projections, short conv, gates, scan, output norm * gate,
     o_proj) at the real (hidden 2304, 32 heads) or narrow (hidden 768, 6 heads) width, random weights in
     ``profile_prefill.randomize``'s scales, forward or (``--grad``) value_and_grad of sum(y^2) over its parameters;
-    current code vs ``profile_prefill``'s ``kda-uncompiled-elementwise`` baseline, interleaved."""
+    current code vs ``profile_prefill``'s ``kda-uncompiled-output-norm`` baseline, interleaved."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from profile_prefill import BASELINES, REAL_WIDTH, randomize
 
@@ -74,7 +74,7 @@ def layer_rounds(args) -> None:
     randomize(layer)
     print(f"device={mx.default_device()} KDA layer {args.layer}: hidden {layer.o_proj.weight.shape[0]}, "
           f"{layer.num_heads} heads x {layer.head_dim}, grad={args.grad}")
-    patches = BASELINES["kda-uncompiled-elementwise"]()
+    patches = [BASELINES["kda-uncompiled-output-norm"]()]
     for T in (int(t) for t in args.T.split(",")):
         x = mx.random.normal((args.B, T, layer.o_proj.weight.shape[0]), key=mx.random.key(1))
         if args.grad:
@@ -93,7 +93,7 @@ def layer_rounds(args) -> None:
                 for u in undo:
                     setattr(*u)
 
-        res = timeit({"current": run, "baseline kda-uncompiled-elementwise": baseline}, args.reps)
+        res = timeit({"current": run, "baseline kda-uncompiled-output-norm": baseline}, args.reps)
         print(f"T={T} ({args.reps} interleaved rounds; ms: median (min-max)):")
         for name, (wall, cpu) in res.items():
             print(f"  {name}: wall {spread(wall)}, CPU {spread(cpu)}")
@@ -113,7 +113,7 @@ def main():
     ap.add_argument("--no-mlx-lm", action="store_true")
     ap.add_argument("--grad", action="store_true", help="time value_and_grad of a scalar loss instead of forward")
     ap.add_argument("--layer", choices=["real", "narrow"],
-                    help="time one KDA layer at this width against the uncompiled-elementwise baseline instead")
+                    help="time one KDA layer at this width against the uncompiled-output-norm baseline instead")
     args = ap.parse_args()
     if args.layer:
         return layer_rounds(args)

@@ -39,19 +39,10 @@ def kda_decay(f: mx.array, A_log: mx.array, dt_bias: mx.array, lower_bound: floa
 
 def kda_prologue(q, k, f, b, A_log, dt_bias, *, lower_bound: float | None, l2_eps: float):
     """Raw projections -> the scan's ``(q, k, g, beta)``, all float32: ``q`` L2-normalised and scaled by
-    ``Dk**-0.5``, ``k`` L2-normalised, ``g = kda_decay(f, ...)``, ``beta = sigmoid(b)``. One compiled graph
-    (``lower_bound`` and ``l2_eps`` are constants of it): the casts, norms and gates run as a few fused kernels
-    instead of one pass over memory per elementwise op."""
-    return _prologue(q, k, f, b, A_log, dt_bias, lower_bound, l2_eps)
-
-
-def _prologue_graph(q, k, f, b, A_log, dt_bias, lower_bound, l2_eps):
+    ``Dk**-0.5``, ``k`` L2-normalised, ``g = kda_decay(f, ...)``, ``beta = sigmoid(b)``."""
     qn = l2_normalize(q, l2_eps) * (q.shape[-1] ** -0.5)
     kn = l2_normalize(k, l2_eps)
     return qn, kn, kda_decay(f, A_log, dt_bias, lower_bound), mx.sigmoid(b.astype(mx.float32))
-
-
-_prologue = mx.compile(_prologue_graph)
 
 
 def check_gated_shapes(q, k, v, f, b, A_log, dt_bias, state, mask) -> None:
