@@ -3,17 +3,24 @@
     python bench/bench_kda.py                       # T = 512, 2048; B=1, H=32, Dk=Dv=128
     python bench/bench_kda.py --T 1,4,16,32,64 --chunks 16,32 --no-mlx-lm
     python bench/bench_kda.py --grad --T 512
+    python bench/bench_kda.py --layer real --grad --T 512 --reps 9   # one KDA layer vs the uncompiled output norm
 
-Reports the median of ``--reps`` runs (after one warm-up) in ms.
+After one warm-up of each, the paths run interleaved in every round (order reversed on alternate rounds), so a
+machine whose load changes compares them under the same load. Reports per path the median wall and process CPU time
+(``time.process_time``: all threads, steadier than wall time on shared cores) with the min-max spread, and the median
+of the per-round CPU-time ratios against the first path listed.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from kimi_mlx.ops.kda_chunked import kda_chunked
 from kimi_mlx.ops.kda_recurrent import kda_recurrent
@@ -32,14 +39,66 @@ def make_inputs(B, T, H, D, seed=0):
     return q, k, v, g, beta
 
 
-def timeit(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
+def timeit(fns: dict, reps: int) -> dict:
+    """Interleaved timing: {name: (wall seconds per round, CPU seconds per round)} after one warm-up each."""
+    for fn in fns.values():
         fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+    res = {name: ([], []) for name in fns}
+    for r in range(reps):
+        for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
+            t, c = time.perf_counter(), time.process_time()
+            fns[name]()
+            res[name][0].append(time.perf_counter() - t)
+            res[name][1].append(time.process_time() - c)
+    return res
+
+
+def spread(xs) -> str:
+    """'median (min-max)' in ms."""
+    return f"{statistics.median(xs) * 1e3:.1f} ({min(xs) * 1e3:.0f}-{max(xs) * 1e3:.0f})"
+
+
+def layer_rounds(args) -> None:
+    """``--layer``: one ``KimiDeltaAttention`` layer (projections, short conv, gates, scan, output norm * gate,
+    o_proj) at the real (hidden 2304, 32 heads) or narrow (hidden 768, 6 heads) width, random weights in
+    ``profile_prefill.randomize``'s scales, forward or (``--grad``) value_and_grad of sum(y^2) over its parameters;
+    current code vs ``profile_prefill``'s ``kda-uncompiled-output-norm`` baseline, interleaved."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from profile_prefill import BASELINES, REAL_WIDTH, randomize
+
+    from bench_vs_mlx_lm import CONFIG
+    from kimi_mlx.config import KimiConfig
+    from kimi_mlx.layers.kda import KimiDeltaAttention
+
+    layer = KimiDeltaAttention(KimiConfig.from_hf(REAL_WIDTH if args.layer == "real" else CONFIG))
+    randomize(layer)
+    print(f"device={mx.default_device()} KDA layer {args.layer}: hidden {layer.o_proj.weight.shape[0]}, "
+          f"{layer.num_heads} heads x {layer.head_dim}, grad={args.grad}")
+    patches = [BASELINES["kda-uncompiled-output-norm"]()]
+    for T in (int(t) for t in args.T.split(",")):
+        x = mx.random.normal((args.B, T, layer.o_proj.weight.shape[0]), key=mx.random.key(1))
+        if args.grad:
+            vg = nn.value_and_grad(layer, lambda x: (layer(x) ** 2).sum())
+            run = lambda: mx.eval(vg(x))  # noqa: E731
+        else:
+            run = lambda: mx.eval(layer(x))  # noqa: E731
+
+        def baseline():
+            undo = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+            for obj, attr, repl in patches:
+                setattr(obj, attr, repl)
+            try:
+                run()
+            finally:
+                for u in undo:
+                    setattr(*u)
+
+        res = timeit({"current": run, "baseline kda-uncompiled-output-norm": baseline}, args.reps)
+        print(f"T={T} ({args.reps} interleaved rounds; ms: median (min-max)):")
+        for name, (wall, cpu) in res.items():
+            print(f"  {name}: wall {spread(wall)}, CPU {spread(cpu)}")
+        ratio = statistics.median(c / b for c, b in zip(*(r[1] for r in res.values())))
+        print(f"  current / baseline CPU: {ratio:.2f}", flush=True)
 
 
 def main():
@@ -53,7 +112,11 @@ def main():
     ap.add_argument("--no-recurrent", action="store_true")
     ap.add_argument("--no-mlx-lm", action="store_true")
     ap.add_argument("--grad", action="store_true", help="time value_and_grad of a scalar loss instead of forward")
+    ap.add_argument("--layer", choices=["real", "narrow"],
+                    help="time one KDA layer at this width against the uncompiled-output-norm baseline instead")
     args = ap.parse_args()
+    if args.layer:
+        return layer_rounds(args)
 
     try:
         from mlx_lm.models.gated_delta import gated_delta_ops
@@ -70,7 +133,7 @@ def main():
             fns["recurrent"] = kda_recurrent
         if not args.no_mlx_lm and gated_delta_ops is not None and not args.grad:
             fns["mlx-lm gated_delta_ops"] = gated_delta_ops
-        row = []
+        runs = {}
         for name, fn in fns.items():
             if args.grad:
                 def loss(*a, fn=fn):
@@ -78,13 +141,21 @@ def main():
                     return (o * o).sum() + s.sum()
 
                 vg = mx.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
-                run = lambda vg=vg: mx.eval(vg(*inputs))  # noqa: E731
+                runs[name] = lambda vg=vg: mx.eval(vg(*inputs))  # noqa: E731
             else:
-                run = lambda fn=fn: mx.eval(fn(*inputs))  # noqa: E731
-            reps = args.reps if (T <= 512 or "chunked" in name) else 1
-            ms = timeit(run, reps)
-            row.append(f"{name}: {ms:.1f} ms ({ms / T:.2f} ms/tok)")
-        print(f"T={T}: " + " | ".join(row), flush=True)
+                runs[name] = lambda fn=fn: mx.eval(fn(*inputs))  # noqa: E731
+        if T > 512:  # the token-by-token paths take seconds here: one timed run each
+            slow = {n: runs.pop(n) for n in list(runs) if "chunked" not in n}
+            res = {**timeit(runs, args.reps), **timeit(slow, 1)} if slow else timeit(runs, args.reps)
+        else:
+            res = timeit(runs, args.reps)
+        first = next(iter(res))
+        print(f"T={T} ({args.reps} interleaved rounds; ms: median (min-max); CPU ratio vs {first}):")
+        for name, (wall, cpu) in res.items():
+            same_rounds = len(cpu) == len(res[first][1])
+            ratio = statistics.median(c / c0 for c, c0 in zip(cpu, res[first][1])) if same_rounds else float("nan")
+            print(f"  {name}: wall {spread(wall)}, CPU {spread(cpu)}, CPU ratio {ratio:.2f}, "
+                  f"{statistics.median(wall) * 1e3 / T:.2f} ms/tok", flush=True)
 
 
 if __name__ == "__main__":

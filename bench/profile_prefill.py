@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_mlx_lm import CONFIG, blas_in_use, checkpoint_dir, describe, load_kimi  # noqa: E402
 
 from kimi_mlx.config import KimiConfig  # noqa: E402
+from kimi_mlx.layers import kda as kda_layer  # noqa: E402
 from kimi_mlx.layers.kda import short_conv  # noqa: E402
 from kimi_mlx.layers.moe import switch_glu  # noqa: E402
 from kimi_mlx.models.kimi_linear import Model, layer_masks  # noqa: E402
@@ -91,9 +92,16 @@ def random_model(config: dict, seed: int = 0) -> Model:
     (matrices N(0, 1/in), o/down projections x0.5, norms 1 + 0.05 N, A_log log U(1, 20), dt_bias 0.5 N - 2, convs
     0.5 N, router bias 0.05 N, embedding N(0, 1)), drawn in MLX one tensor at a time."""
     model = Model(KimiConfig.from_hf(config))
+    randomize(model, seed)
+    model.eval()
+    return model
+
+
+def randomize(module, seed: int = 0) -> None:
+    """Draw every parameter of ``module`` in the scales ``random_model`` describes (in place)."""
     key = mx.random.key(seed)
     params = []
-    for name, p in tree_flatten(model.parameters()):
+    for name, p in tree_flatten(module.parameters()):
         key, sub = mx.random.split(key)
         n = mx.random.normal(p.shape, key=sub)
         if name.endswith("A_log"):
@@ -114,9 +122,7 @@ def random_model(config: dict, seed: int = 0) -> Model:
             w = n * (gain / fan_in**0.5)
         mx.eval(w)
         params.append((name, w))
-    model.update(tree_unflatten(params))
-    model.eval()
-    return model
+    module.update(tree_unflatten(params))
 
 
 # ------------------------------------------------------------------------------------------------- FLOPs
@@ -190,9 +196,7 @@ def kda_staged(st: Stages, attn, x: mx.array, cache, mask) -> mx.array:
     o, state = st("KDA scan", lambda: kda_forward(qn, kn, v, gg, beta, state=state0, mask=mask))
 
     def out_norm():
-        gate = mx.sigmoid(g.astype(mx.float32)).reshape(B, T, H, D)
-        y = mx.fast.rms_norm(o.astype(mx.float32), p.norm_weight.astype(mx.float32), p.norm_eps) * gate
-        return y.reshape(B, T, H * D)
+        return kda_layer.gated_rms_norm(o, g.reshape(B, T, H, D), p.norm_weight, p.norm_eps).reshape(B, T, H * D)
 
     y = st("KDA output norm * gate", out_norm)
     cache.conv_state, cache.recurrent_state = conv_state, state
@@ -322,7 +326,13 @@ def _sorted_loop_on_gpu():
     return moe, "_segmented_gather", lambda switch: False
 
 
-BASELINES = {  # --baseline NAME: (object, attribute, replacement) that restores an earlier behaviour
+def _uncompiled_kda_output_norm():
+    """The KDA output RMSNorm * sigmoid gate as an uncompiled graph."""
+    return kda_layer, "gated_rms_norm", kda_layer._gated_rms_norm
+
+
+BASELINES = {  # --baseline NAME: (object, attribute, replacement), or a list of them, restoring an earlier behaviour
+    "kda-uncompiled-output-norm": _uncompiled_kda_output_norm,
     "mla-untrimmed": _untrimmed_mla,
     "moe-copied-experts": _copied_experts,
     "moe-sorted-loop-on-gpu": _sorted_loop_on_gpu,
@@ -338,10 +348,10 @@ class Variant:
 
     def run(self, model, tokens, probe, flops: dict, flops_all: float) -> tuple[mx.array, mx.array]:
         """One staged forward, then one whole prefill between two probes; returns (staged, whole) logits."""
-        undo = None
-        if self.patch:
-            obj, attr, repl = self.patch()
-            undo = (obj, attr, getattr(obj, attr))
+        patches = self.patch() if self.patch else []
+        patches = [patches] if isinstance(patches, tuple) else patches
+        undo = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+        for obj, attr, repl in patches:
             setattr(obj, attr, repl)
         try:
             staged_logits, st = staged_forward(model, tokens, probe)
@@ -351,8 +361,8 @@ class Variant:
             c_whole = time.process_time() - c0
             r1 = probe()
         finally:
-            if undo:
-                setattr(*undo)
+            for u in undo:
+                setattr(*u)
         self.last = (st, t_whole, c_whole, (r0 + r1) / 2)
         return staged_logits, logits
 

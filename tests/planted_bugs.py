@@ -1016,6 +1016,12 @@ BUGS: tuple[PlantedBug, ...] = (
           "        (inds.size"),),
         ("tests/test_moe.py::test_gpu_dispatch",),
     ),
+    PlantedBug(
+        "KDA chunked scan: the state update accumulates into the undecayed state",
+        (("kimi_mlx/ops/kda_chunked.py", "S = decay[..., :, None] * S + kg.swapaxes(-1, -2) @ vnew",
+          "S = S + kg.swapaxes(-1, -2) @ vnew"),),
+        ("tests/test_kda_ops.py::test_long_sequence_chunked_vs_reference",),
+    ),
 )
 
 

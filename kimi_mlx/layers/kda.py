@@ -19,7 +19,7 @@ from ..cache import KDACache
 from ..config import KimiConfig
 from ..ops.kda import kda_gated
 
-__all__ = ["KDACoreParams", "KDAProjections", "KimiDeltaAttention", "short_conv"]
+__all__ = ["KDACoreParams", "KDAProjections", "KimiDeltaAttention", "gated_rms_norm", "short_conv"]
 
 
 @mx.compile  # fuses the K shifted multiply-adds into one kernel
@@ -150,9 +150,20 @@ def _kda_core(
         q, k, v, proj.f.reshape(B, T, H, D), proj.b, p.A_log, p.dt_bias,
         lower_bound=p.lower_bound, l2_eps=p.l2_eps, state=state, mask=mask,
     )  # fmt: skip
-    gate = mx.sigmoid(proj.gate.astype(mx.float32)).reshape(B, T, H, D)
-    o = mx.fast.rms_norm(o.astype(mx.float32), p.norm_weight.astype(mx.float32), p.norm_eps) * gate
+    o = gated_rms_norm(o, proj.gate.reshape(B, T, H, D), p.norm_weight, p.norm_eps)
     return o.reshape(B, T, H * D), conv_state, state
+
+
+def _gated_rms_norm(o: mx.array, gate: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """The KDA output: RMSNorm over the head dim times a sigmoid gate, in float32.
+
+    o, gate: [B, T, H, D] (gate = output-gate logits); weight: [D]. Returns [B, T, H, D] float32.
+    """
+    return mx.fast.rms_norm(o.astype(mx.float32), weight.astype(mx.float32), eps) * mx.sigmoid(gate.astype(mx.float32))
+
+
+# One fused kernel: MLX's CPU backend runs the uncompiled norm and gate as a dozen passes over [B, T, H, D].
+gated_rms_norm = mx.compile(_gated_rms_norm)
 
 
 _kda_core_compiled = mx.compile(_kda_core)
