@@ -673,8 +673,8 @@ BUGS: tuple[PlantedBug, ...] = (
     # -- caches: the paged latent cache, the prefix cache's bytes
     PlantedBug(
         "latent cache: grows by copying (one page as long as the cache, regrown at every write)",
-        (("kimi_mlx/cache.py", "P, n, done = self.page_size, kv_latent.shape[2], 0",
-          "P, n, done = self.offset + kv_latent.shape[2], kv_latent.shape[2], 0"),),
+        (("kimi_mlx/cache.py", "P, n, done, B = self.page_size, kv_latent.shape[2], 0, kv_latent.shape[0]",
+          "P, n, done, B = self.offset + kv_latent.shape[2], kv_latent.shape[2], 0, kv_latent.shape[0]"),),
         ("tests/test_mla_blockwise.py::test_prefill_memory_independent_of_context",
          "tests/test_mla_blockwise.py::test_growth_adds_pages_and_keeps_the_others"),
     ),
