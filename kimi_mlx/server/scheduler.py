@@ -87,7 +87,7 @@ class ReasoningBudget:
 class GenerationRequest:
     """tokens: the whole prompt (validated by the caller: non-empty, ids < vocab). stop_token_ids: generation stops
     after one of them (it is reported). top_logprobs: None none, 0 the chosen token's, k also the k most likely.
-    boundaries: prompt positions that end a message, in order (snapshot points but the last, the end of the last
+    boundaries: prompt positions that end a message (snapshot points but the last, the end of the last
     message, which the snapshot at the prompt's end stands for); system_end: end of the system prompt and
     tool declarations (a snapshot shared across conversations), 0 for none. reasoning: the reply's reasoning
     budget (every rank follows it: whether a turn speculates depends on it). images: the ``PromptImage``s whose
