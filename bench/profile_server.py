@@ -1,7 +1,7 @@
 """Where a server request's time goes, in process: the engine (``kimi_mlx.server.scheduler.Scheduler``) on
 ``bench_server.py``'s model and workload, without HTTP.
 
-- agent: ``bench_server.py``'s 4-turn conversation (rendered as the server renders it: ``render_chat_with_starts``
+- agent: ``bench_server.py``'s 4-turn conversation (rendered as the server renders it: ``render_prompt``
   with the tools), each turn submitted after the previous one ends. Per turn: prompt and cached tokens, the prefill
   forward calls (tokens each: one call runs from one snapshot point to the next), the time to the first token
   (submission to the first ``TokenEvent``; also the process's CPU time over it, steadier on shared cores) and the
@@ -34,9 +34,9 @@ from bench_server import TOOLS, Workload, served_model_dir  # noqa: E402
 from bench_vs_mlx_lm import blas_in_use  # noqa: E402
 
 import kimi_mlx.cache as cache_module  # noqa: E402
-from kimi_mlx.chat.format import render_chat_with_starts  # noqa: E402
 from kimi_mlx.loading import load  # noqa: E402
 from kimi_mlx.server import scheduler as scheduler_module  # noqa: E402
+from kimi_mlx.server.backend import Backend, render_prompt  # noqa: E402
 from kimi_mlx.server.scheduler import GenerationRequest, Scheduler, TokenEvent  # noqa: E402
 
 PHASES = [  # (owner, attribute, phase)
@@ -74,11 +74,10 @@ class Clock:
 
 
 def request(tok, messages, max_tokens, tools=None) -> GenerationRequest:
-    """``messages`` rendered as the server renders them (``backend.render_prompt``: boundaries, system end)."""
-    tokens, starts = render_chat_with_starts(tok, messages, chat_format="kimi_linear", tools=tools)
-    first = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
-    return GenerationRequest(tokens, max_tokens, boundaries=tuple(sorted({s for s in starts[1:] if s})),
-                             system_end=starts[first] or 0, stop_token_ids=frozenset({tok.eos_token_id}))
+    """``messages`` rendered as the server renders them (``render_prompt``: boundaries, system end)."""
+    prompt = render_prompt(Backend(None, tok, "kimi_linear", len(tok), 1 << 20), messages, tools=tools)
+    return GenerationRequest(prompt.tokens, max_tokens, boundaries=prompt.boundaries, system_end=prompt.system_end,
+                             stop_token_ids=frozenset({tok.eos_token_id}))
 
 
 def agent(engine, clock, tok, wl, rnd, turns, max_tokens):
