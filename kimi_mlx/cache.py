@@ -3,7 +3,8 @@
 - ``MLALatentCache`` (MLA layers): the compressed latent ``kv_latent: [B, 1, S, kv_lora_rank]`` and the shared
   un-rotated key part ``k_pe: [B, 1, S, qk_rope_head_dim]`` (NoPE: nothing else is needed for any position), stored
   in **pages** of ``PAGE_SIZE`` positions (``LatentPage``; page k holds positions [k P, (k + 1) P)). Growing adds a
-  page; what is stored is never copied to grow. Attention reads the pages where they lie, as consecutive key
+  page, or doubles the room of the last one (``_room``: a last page holds from ``MIN_ROOM`` to ``PAGE_SIZE``
+  positions); a full page is never copied to grow. Attention reads the pages where they lie, as consecutive key
   segments (``fetch()``; ``ops.mla_attention`` takes the lists).
 - ``KDACache`` (KDA layers): ``conv_state: [B, K-1, 3*H*D]`` (last K-1 pre-conv q|k|v projections, activation dtype)
   and ``recurrent_state: [B, H, Dv, Dk]`` float32.
@@ -47,10 +48,11 @@ caches into one left-padded batch, and ``cache.filter(rows)`` keeps some rows of
 the cache is its only holder and copies that one page otherwise: copy on write of the last, partial page. What
 shares and what copies:
 
-- growth, decode, chunked prefill: nothing is copied (a new page is allocated when the last one is full);
+- growth, decode, chunked prefill: a full page is never copied; the last page is copied when it outgrows its room
+  (doubled, up to ``PAGE_SIZE``), fewer positions in all than the page holds;
 - ``snapshot`` of a one-row cache, ``cache_from_snapshot``, ``merge_caches`` of one cache, prompt-cache files loaded:
   full pages are shared; a snapshot copies the filled part of a partial last page (fewer than ``PAGE_SIZE``
-  positions), and a cache whose last page is such a short page copies it into a full page at its next write;
+  positions), and a cache whose last page is such a short page copies it into one with room (``_room``) at its next write;
 - batches (B > 1): attention reads a page as one ``[B, 1, P, ·]`` array, so ``merge_caches`` of several caches
   copies every row into batch pages once, and ``filter`` copies the kept rows (a filter down to one row instead
   shares the pages that row had before the merge, see below, and copies the rest). With
@@ -123,7 +125,7 @@ PAGE_SIZE = 4096  # positions per latent page (bench/bench_long_context.py, benc
 class LatentPage:
     """Consecutive positions of one MLA layer's latent cache: ``kv_latent [B, 1, n, r]`` and ``k_pe [B, 1, n, dr]``
     as stored (each a float array or a ``QuantizedLatent``, ``ops/latent.py``). ``n`` is ``PAGE_SIZE``, or less for
-    the short last page a snapshot or a file ends with. Never modified: writing gives a new page (``written``), and
+    a last page (its room, ``_room``) and the short last page a snapshot or a file ends with. Never modified: writing gives a new page (``written``), and
     caches and snapshots hold pages by reference, so a shared page is one object (``is``) and one buffer."""
 
     kv_latent: Latent
@@ -168,6 +170,17 @@ class LatentPage:
         return LatentPage(*(latent.map_arrays(p, lambda _: next(flat)) for p in (self.kv_latent, self.k_pe)))
 
 
+MIN_ROOM = 256  # positions a new last page has room for at least
+
+
+def _room(n: int, P: int) -> int:
+    """Positions to allocate for a last page that must hold ``n`` (<= P): the next power of two, at least
+    ``MIN_ROOM``, at most ``P``. A page outgrowing its room is copied into one twice as large, so filling a page
+    copies fewer positions than it holds, and a batch made of short pages (a merge, a filter, a restored snapshot)
+    does not allocate and copy ``P`` positions per row at its next step."""
+    return min(P, max(MIN_ROOM, 1 << (n - 1).bit_length()))
+
+
 def _blank(like: LatentPage, rows: int, size: int) -> tuple:
     """Zero parts (kv_latent, k_pe) ``[rows, 1, size, ·]`` in the layout of ``like``."""
     return tuple(latent.map_arrays(p, lambda a: mx.zeros((rows, a.shape[1], size, *a.shape[3:]), a.dtype))
@@ -209,15 +222,16 @@ class MLALatentCache(_LayerCache):
         """Append ``[B, 1, T, r]`` / ``[B, 1, T, dr]`` and return the filled pages as key segments: (kv_latent parts,
         k_pe parts), each ``[B, 1, n, ·]`` as stored (see ``fetch``)."""
         new = (self._encode(kv_latent), self._encode(k_pe))
-        P, n, done = self.page_size, kv_latent.shape[2], 0
+        P, n, done, B = self.page_size, kv_latent.shape[2], 0, kv_latent.shape[0]
         while done < n:
             k, at = divmod(self.offset + done, P)
             m = min(n - done, P - at)
             if k == len(self.pages):
-                self.pages.append(LatentPage(*_blank(LatentPage(*new), kv_latent.shape[0], P)))
+                self.pages.append(LatentPage(*_blank(LatentPage(*new), B, _room(m, P))))
             page = self.pages[k]
-            if page.size < at + m:  # a short last page (a snapshot's or a file's end): copied into a full page
-                page = LatentPage(*_blank(page, kv_latent.shape[0], P)).written(0, page.parts(0, page.size))
+            if page.size < at + m:  # a last page without room (a snapshot's or a file's end, or outgrown): copied
+                grown = LatentPage(*_blank(page, B, _room(at + m, P)))
+                page = grown.written(0, page.parts(0, at)) if at else grown
             self.pages[k] = page.written(at, tuple(latent.positions(p, done, done + m) for p in new))
             done += m
         self.offset += n

@@ -673,8 +673,8 @@ BUGS: tuple[PlantedBug, ...] = (
     # -- caches: the paged latent cache, the prefix cache's bytes
     PlantedBug(
         "latent cache: grows by copying (one page as long as the cache, regrown at every write)",
-        (("kimi_mlx/cache.py", "P, n, done = self.page_size, kv_latent.shape[2], 0",
-          "P, n, done = self.offset + kv_latent.shape[2], kv_latent.shape[2], 0"),),
+        (("kimi_mlx/cache.py", "P, n, done, B = self.page_size, kv_latent.shape[2], 0, kv_latent.shape[0]",
+          "P, n, done, B = self.offset + kv_latent.shape[2], kv_latent.shape[2], 0, kv_latent.shape[0]"),),
         ("tests/test_mla_blockwise.py::test_prefill_memory_independent_of_context",
          "tests/test_mla_blockwise.py::test_growth_adds_pages_and_keeps_the_others"),
     ),
@@ -1021,6 +1021,11 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/ops/kda_chunked.py", "S = decay[..., :, None] * S + kg.swapaxes(-1, -2) @ vnew",
           "S = S + kg.swapaxes(-1, -2) @ vnew"),),
         ("tests/test_kda_ops.py::test_long_sequence_chunked_vs_reference",),
+    ),
+    PlantedBug(
+        "latent cache: a last page outgrowing its room becomes a blank page (the positions it held are lost)",
+        (("kimi_mlx/cache.py", "page = grown.written(0, page.parts(0, at)) if at else grown", "page = grown"),),
+        ("tests/test_cache_pages.py::test_last_page_room_doubles",),
     ),
 )
 

@@ -140,6 +140,46 @@ def test_what_each_operation_allocates():
     assert held == page and peak < 2 * page + page // 4  # one new page (+ the 256 positions written): no copy
 
 
+def test_last_page_room_doubles(monkeypatch):
+    """A one-layer latent cache with 1024-position pages (r = 8, dr = 4): a last page has room for the next power of
+    two of what it holds, at least 256 (``MIN_ROOM``), at most a page: 300 positions take a 512-room page, 600 a
+    1024 one, 1100 a full page and a 256-room one; a 2-row batch merged from two 300-position caches and a cache
+    restored from a 300-position snapshot keep short pages and grow them the same way, never to a whole page at
+    their next write. Every position keeps its value."""
+    monkeypatch.setattr(MLALatentCache, "page_size", 1024)
+    cache = make_cache([False])
+    data = mx.arange(1100 * 12, dtype=mx.float32).reshape(1, 1, 1100, 12)
+
+    def write(cache, a, b, rows=1):
+        x = mx.broadcast_to(data[:, :, a:b], (rows, 1, b - a, 12))
+        mx.eval(cache[0].update_and_fetch(x[..., :8], x[..., 8:]))
+
+    def rooms(cache):
+        return [p.size for p in cache[0].pages]
+
+    def values(cache):
+        kv, pe = (mx.concatenate(parts, axis=2) for parts in cache[0].fetch())
+        return np.array(mx.concatenate([kv, pe], axis=-1))
+
+    write(cache, 0, 300)
+    assert rooms(cache) == [512]
+    snap, other = cache.snapshot(), make_cache([False])
+    write(other, 0, 300)
+    write(cache, 300, 600)
+    assert rooms(cache) == [1024]
+    write(cache, 600, 1100)
+    assert rooms(cache) == [1024, 256]
+    assert np.array_equal(values(cache), np.array(data))
+    restored = cache_from_snapshot(snap)
+    assert rooms(restored) == [300]
+    write(restored, 300, 301)
+    assert rooms(restored) == [512] and np.array_equal(values(restored), np.array(data[:, :, :301]))
+    batch = merge_caches([other, cache_from_snapshot(snap)])
+    assert rooms(batch) == [300]
+    write(batch, 300, 301, rows=2)
+    assert rooms(batch) == [512] and np.array_equal(values(batch), np.array(mx.repeat(data[:, :, :301], 2, 0)))
+
+
 @pytest.mark.parametrize("keep", [True, False], ids=["keep_row_pages", "plain"])
 def test_merged_rows_share_their_pages_with_their_snapshots(kl_model, keep):
     """Caches of 39 and 19 tokens merged into a batch (its pages are copies: attention reads each page as one

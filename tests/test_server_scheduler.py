@@ -190,6 +190,46 @@ def test_system_snapshot_is_shared(demo, engine):
     assert fin.cached_tokens == len(system)
 
 
+class _CountingModel:
+    """``model`` that records the tokens per row of each forward call (prefill chunks and decode steps)."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def __call__(self, inputs, **kw):
+        self.calls.append(inputs.shape[1])
+        return self.model(inputs, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_resent_turn_prefills_from_snapshot_point_to_snapshot_point(demo, engine):
+    """A re-sent agent conversation (messages: system, user, assistant tool call, tool result; each turn ends with
+    the generation prompt): turn 2 prefills its new tokens from the previous prompt's end in one forward call per
+    message boundary inside them, up to its own prompt's end (all but the last token: the first decode input), with
+    no call stopping where the last message ends, a few tokens short of it. Its reply is the single-request greedy
+    one, and a regenerated turn 2 resumes from its prompt's end."""
+    model, tok = demo
+    counting = _CountingModel(model)
+    e = engine(counting, checkpoint_interval=0)
+    system, user, call, result, gen = _prompts(512, [30, 12, 9, 17, 3])
+    S, U, A, T, G = (len(x) for x in (system, user, call, result, gen))
+    p1 = system + user + gen
+    _, _, fin = _run(e.submit(GenerationRequest(p1, 4, boundaries=(S, S + U), system_end=S)))
+    assert fin.cached_tokens == 0
+    assert [n for n in counting.calls if n > 1] == [S, U + G - 1]
+    counting.calls.clear()
+    p2 = p1 + call + result + gen  # the assistant message starts with the generation prompt's tokens
+    req = GenerationRequest(p2, 4, boundaries=(S, S + U, S + U + G + A, S + U + G + A + T), system_end=S)
+    reply, _, fin = _run(e.submit(req))
+    assert fin.cached_tokens == len(p1) - 1
+    assert [n for n in counting.calls if n > 1] == [A + 1, T + G - 1]  # new: from len(p1) - 1 to len(p2) - 1
+    assert reply == _reference(model, tok, p2, 4)
+    _, _, fin = _run(e.submit(req))
+    assert fin.cached_tokens == len(p2) - 1
+
+
 def test_many_threads_submit(demo, engine):
     """Submissions from 8 threads at once: every stream completes with its own greedy output."""
     model, tok = demo

@@ -4,7 +4,9 @@ One engine thread owns the model and the caches. Each loop turn it
 1. takes new requests and cancellations (``submit`` / ``RequestStream.cancel`` from any thread);
 2. prefills waiting requests, up to ``prefill_chunk`` tokens per turn in all, each in its own one-row cache that
    starts from the longest prefix-cache snapshot of its prompt (``PrefixCache``); snapshots are taken at message
-   boundaries, at the end of the system prompt and every ``checkpoint_interval`` tokens;
+   boundaries, at the end of the system prompt, every ``checkpoint_interval`` tokens and at the prompt's end (all
+   but its last token), which stands for the end of the last message: a prefill forward runs from one snapshot
+   point to the next, so the new tokens of a re-sent conversation go in as few, long calls;
 3. a request whose prompt (all but its last token) is in its cache joins the batch (``merge_caches``: rows
    left-padded to a common length); its last prompt token is its first decode input;
 4. runs one decode step for the whole batch ``[B, 1]`` and samples each row with its own settings
@@ -85,7 +87,8 @@ class ReasoningBudget:
 class GenerationRequest:
     """tokens: the whole prompt (validated by the caller: non-empty, ids < vocab). stop_token_ids: generation stops
     after one of them (it is reported). top_logprobs: None none, 0 the chosen token's, k also the k most likely.
-    boundaries: prompt positions that end a message (snapshot points); system_end: end of the system prompt and
+    boundaries: prompt positions that end a message (snapshot points but the last, the end of the last
+    message, which the snapshot at the prompt's end stands for); system_end: end of the system prompt and
     tool declarations (a snapshot shared across conversations), 0 for none. reasoning: the reply's reasoning
     budget (every rank follows it: whether a turn speculates depends on it). images: the ``PromptImage``s whose
     placeholders ``tokens`` holds, in prompt order. prediction: ids the reply is expected to repeat (a draft source:
@@ -516,7 +519,10 @@ class Scheduler:
         else:
             row.cache = self.model.make_cache(**self.kv)
         stream.cached_tokens = row.done
-        stops = {p: "message" for p in req.boundaries}
+        # the last boundary (where the last message ends and the generation prompt starts) is left to the prompt's
+        # end: a continuation of the conversation repeats the generation prompt as its reply's first tokens, and a
+        # snapshot a few tokens short of the end would cost a forward call of those few tokens on every request
+        stops = {p: "message" for p in sorted(req.boundaries)[:-1]}
         if self.checkpoint_interval:
             for p in range(self.checkpoint_interval, len(prompt), self.checkpoint_interval):
                 stops.setdefault(p, "interval")
