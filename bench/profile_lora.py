@@ -4,7 +4,8 @@ The model and LoRA are ``bench_lora.py``'s (rank 8 on every projection of every 
 the routed experts; float32; batch 1 of ``--tokens`` random tokens). Each repeat (after one warm-up) runs:
 
 - the whole step: ``kimi_mlx.tuner.trainer.make_step`` (what ``kimi-mlx lora`` runs: value_and_grad of the loss over
-  the trainable parameters, then the Adam update), evaluated once;
+  the trainable parameters), evaluated once, then the Adam update on its gradients (``compiled_update``, the step's;
+  also ``optimizer.update`` uncompiled, for comparison);
 - the step module by module: one forward pass records every module call's inputs, then each call is timed twice on
   its recorded inputs: its forward alone, and its forward + backward (``mx.value_and_grad`` of ``sum(out * c)``
   over the call's trainable (LoRA) parameters and its floating-point array inputs, c a fixed random cotangent of the
@@ -52,7 +53,7 @@ from kimi_mlx.layers.kda import KimiDeltaAttention  # noqa: E402
 from kimi_mlx.layers.mla import KimiMLA  # noqa: E402
 from kimi_mlx.layers.moe import MLP, SparseMoE  # noqa: E402
 from kimi_mlx.layers.residual import ResidualMix  # noqa: E402
-from kimi_mlx.tuner.trainer import make_step  # noqa: E402
+from kimi_mlx.tuner.trainer import compiled_update, make_step  # noqa: E402
 
 # (class or (module, function name), row, parent row or None). A call made inside a recorded call of another row is
 # recorded only if its parent is the row it is listed under (the shared expert is an MLP inside the MoE).
@@ -342,7 +343,8 @@ def main(argv=None) -> int:
     variants = [("current", None)] + ([(args.variant, VARIANTS[args.variant])] if args.variant else [])
     whole = {name: ([], []) for name, _ in variants}
     prof = Profile()
-    update_times, update_cpu = [], []
+    update = compiled_update(model, opt)  # the step's update (make_step's), timed alone
+    update_times, update_cpu, plain_cpu = [], [], []
     calls, h = record_step(model, batch)
     for i in range(args.repeats + 1):
         for name, patch in variants if i % 2 else variants[::-1]:
@@ -354,7 +356,8 @@ def main(argv=None) -> int:
         # the update alone, on one step's gradients (the whole step above does not update: do_update False)
         _, _, grads = step(batch, lengths, None, False)
         mx.eval(grads)
-        w, c = timed(lambda: (opt.update(model, grads), model.trainable_parameters(), opt.state)[1:])
+        w, c = timed(lambda: (update(grads), model.trainable_parameters(), opt.state)[1:])
+        plain_cpu.append(timed(lambda: (opt.update(model, grads), model.trainable_parameters(), opt.state)[1:])[1])
         profile_once(model, calls, h, targets, prof if i else Profile())  # the warm-up is not kept
         if i:
             update_times.append(w)
@@ -391,6 +394,8 @@ def main(argv=None) -> int:
         ratio = f"{(med - f) / f:.1f}" if f else "-"
         print(f"| {name}{n} | {fwd} | {med * 1e3:.0f} | {min(v) * 1e3:.0f}-{max(v) * 1e3:.0f} | "
               f"{statistics.median(prof.wall[row]) * 1e3:.0f} | {ratio} | {100 * med / total:.1f}% |")
+    print(f"optimizer update: {statistics.median(update_cpu) * 1e3:.0f} ms CPU compiled (the step's), "
+          f"{statistics.median(plain_cpu[1:]) * 1e3:.0f} ms as optimizer.update (uncompiled), same repeats")
     memory_probe(model, step, batch, lengths)
     if args.variant:
         var_w, var_c = whole[args.variant]
