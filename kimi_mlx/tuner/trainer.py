@@ -3,9 +3,10 @@
 mlx-lm's ``train`` compiles the whole step with ``mx.compile``. Our MoE runs the routed experts (and their per-expert
 LoRA) as one dense matmul per expert over its sorted rows, which reads the per-expert counts on the host, which a
 compiled function cannot do; inside ``mx.compile`` it falls back to the slower ``gather_mm`` path. So the step here is
-``nn.value_and_grad`` uncompiled (small pieces such as the short conv and RMSNorm are compiled functions of their own),
-and the loop around it adds what the CLI promises: a progress bar with loss, tokens/s and memory, mlx-lm's "Iter N: ..."
-lines, a metrics jsonl, periodic checkpoints and a loss-curve PNG.
+``nn.value_and_grad`` uncompiled (small pieces such as the short conv and RMSNorm are compiled functions of their own)
+followed by a compiled optimizer update (``compiled_update``), and the loop around it adds what the CLI promises: a
+progress bar with loss, tokens/s and memory, mlx-lm's "Iter N: ..." lines, a metrics jsonl, periodic checkpoints
+and a loss-curve PNG.
 Gradient checkpointing recomputes each mixer and FFN in the backward pass (mlx-lm's patches whole decoder layers,
 whose K3 form takes the AttnRes snapshot list, which ``mx.checkpoint`` cannot carry).
 
