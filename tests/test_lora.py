@@ -579,3 +579,44 @@ def test_learning_rate_schedules():
     assert learning_rate(SimpleNamespace(learning_rate=1e-3, lr_schedule=None, warmup=0, iters=5)) == 1e-3
     with pytest.raises(ValueError, match="--warmup needs --lr-schedule"):
         learning_rate(SimpleNamespace(learning_rate=1e-3, lr_schedule=None, warmup=3, iters=5))
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda: optim.Adam(learning_rate=optim.cosine_decay(1e-2, 10)),
+    lambda: optim.AdamW(learning_rate=1e-2, weight_decay=0.1),
+    lambda: optim.SGD(learning_rate=0.5, momentum=0.9),
+], ids=["adam-schedule", "adamw", "sgd-momentum"])
+def test_compiled_update_equals_optimizer_update(make_opt):
+    """The step's compiled update gives the adapters and optimizer state ``optimizer.update`` gives, step after
+    step (a schedule, decoupled weight decay, momentum), and leaves the frozen weights alone."""
+    import mlx.nn as nn
+    from mlx.utils import tree_map
+    from mlx_lm.tuner.lora import LoRALinear
+
+    from kimi_mlx.tuner.trainer import compiled_update
+
+    def model():
+        mx.random.seed(3)
+        m = nn.Sequential(LoRALinear.from_base(nn.Linear(16, 12), r=4), LoRALinear.from_base(nn.Linear(12, 8), r=4))
+        m.freeze()
+        for layer in m.layers:
+            layer.unfreeze(keys=["lora_a", "lora_b"], recurse=False)
+        return m
+
+    ref, mine = model(), model()
+    ref_opt, my_opt = make_opt(), make_opt()
+    update = compiled_update(mine, my_opt)
+    frozen = {k: v for k, v in tree_flatten(mine.parameters()) if "lora" not in k}
+    for i in range(4):
+        grads = tree_map(lambda p: mx.random.normal(p.shape, key=mx.random.key(i)), ref.trainable_parameters())
+        ref_opt.update(ref, grads)
+        update(grads)
+        mx.eval(ref.parameters(), mine.parameters(), ref_opt.state, my_opt.state)
+        a, b = dict(tree_flatten(ref.trainable_parameters())), dict(tree_flatten(mine.trainable_parameters()))
+        assert a.keys() == b.keys() and len(a) == 4
+        assert max(mx.abs(a[k] - b[k]).max().item() / (mx.abs(a[k]).max().item() + 1e-30) for k in a) <= 1e-6
+        sa, sb = dict(tree_flatten(ref_opt.state)), dict(tree_flatten(my_opt.state))
+        assert sa.keys() == sb.keys()
+        assert all(mx.allclose(sa[k], sb[k], rtol=1e-6, atol=1e-9).item() for k in sa)
+    assert all(mx.array_equal(v, dict(tree_flatten(mine.parameters()))[k]).item() for k, v in frozen.items())
+    assert max(mx.abs(a[k] - dict(tree_flatten(model().trainable_parameters()))[k]).max().item() for k in a) > 1e-4

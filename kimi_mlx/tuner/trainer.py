@@ -3,9 +3,10 @@
 mlx-lm's ``train`` compiles the whole step with ``mx.compile``. Our MoE runs the routed experts (and their per-expert
 LoRA) as one dense matmul per expert over its sorted rows, which reads the per-expert counts on the host, which a
 compiled function cannot do; inside ``mx.compile`` it falls back to the slower ``gather_mm`` path. So the step here is
-``nn.value_and_grad`` uncompiled (small pieces such as the short conv and RMSNorm are compiled functions of their own),
-and the loop around it adds what the CLI promises: a progress bar with loss, tokens/s and memory, mlx-lm's "Iter N: ..."
-lines, a metrics jsonl, periodic checkpoints and a loss-curve PNG.
+``nn.value_and_grad`` uncompiled (small pieces such as the short conv and RMSNorm are compiled functions of their own)
+followed by a compiled optimizer update (``compiled_update``), and the loop around it adds what the CLI promises: a
+progress bar with loss, tokens/s and memory, mlx-lm's "Iter N: ..." lines, a metrics jsonl, periodic checkpoints
+and a loss-curve PNG.
 Gradient checkpointing recomputes each mixer and FFN in the backward pass (mlx-lm's patches whole decoder layers,
 whose K3 form takes the AttnRes snapshot list, which ``mx.checkpoint`` cannot carry).
 
@@ -23,6 +24,7 @@ import json
 import sys
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -162,6 +164,27 @@ def evaluate(
     return (loss_sum / n_tokens).item()
 
 
+def compiled_update(model: nn.Module, optimizer) -> Callable:
+    """``update(grad)``: the same as ``optimizer.update(model, grad)`` (``grad``: a tree shaped like
+    ``model.trainable_parameters()``), run as one compiled graph over the optimizer's state, so that each parameter's
+    elementwise update (Adam: moments, bias correction, step) is one fused kernel instead of a dozen. mlx-lm compiles
+    its whole step this way; ours compiles the update alone (the forward reads per-expert counts on the host).
+
+    The optimizer's state is initialised here if it is not yet (a resumed state is kept); its tree must stay the same
+    object afterwards (the compiled graph reads and writes it in place)."""
+    optimizer.init(model.trainable_parameters())
+    state = optimizer.state
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def apply(grad, params):
+        return optimizer.apply_gradients(grad, params)
+
+    def update(grad) -> None:
+        model.update(apply(grad, model.trainable_parameters()))
+
+    return update
+
+
 def make_step(
     model: nn.Module,
     optimizer,
@@ -174,9 +197,11 @@ def make_step(
     over the window and applied by ``optimizer`` (then ``grad`` is None again). Nothing is evaluated here.
 
     With a ``group`` of several ranks, ``batch`` is this rank's part of the global batch: the returned loss and
-    token count are the global batch's, and the window's gradient is summed over the ranks before the update."""
+    token count are the global batch's, and the window's gradient is summed over the ranks before the update.
+    The update is ``compiled_update``'s (the optimizer's state is initialised when the step is made)."""
     loss_value_and_grad = nn.value_and_grad(model, loss)
     distributed = group is not None and group.size() > 1
+    update = compiled_update(model, optimizer)
 
     def step(batch, lengths, grad, do_update: bool):
         (lvalue, toks), g = loss_value_and_grad(model, batch, lengths)
@@ -188,7 +213,7 @@ def make_step(
                 grad = all_sum_tree(grad, group)
             if grad_accumulation_steps > 1:
                 grad = tree_map(lambda a: a / grad_accumulation_steps, grad)
-            optimizer.update(model, grad)
+            update(grad)
             grad = None
         return lvalue, toks, grad
 
