@@ -1033,6 +1033,12 @@ BUGS: tuple[PlantedBug, ...] = (
           "@partial(mx.compile, inputs=state)"),),
         ("tests/test_lora.py::test_compiled_update_equals_optimizer_update",),
     ),
+    PlantedBug(
+        "MoE sorted path with per-expert LoRA: each expert's rows get the previous expert's lora_b",
+        (("kimi_mlx/layers/moe.py", 'expert_view(layer["lora_b"], e).T',
+          'expert_view(layer["lora_b"], max(e - 1, 0)).T'),),
+        ("tests/test_moe.py::test_lora_gradients_match",),
+    ),
 )
 
 

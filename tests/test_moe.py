@@ -137,6 +137,38 @@ def test_gradients_match():
         assert float(mx.abs(a - b).max()) <= PATH_TOL * float(mx.abs(a).max())
 
 
+def test_lora_gradients_match():
+    """Per-expert LoRA adapters (mlx-lm's LoRASwitchLinear on every projection) through the sorted path: the output
+    and the gradients w.r.t. every lora_a / lora_b stack and the input equal SwitchGLU's."""
+    from mlx_lm.tuner.lora import LoRASwitchLinear
+
+    sw = _switch(False)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        lora = LoRASwitchLinear.from_base(getattr(sw, name), r=4)
+        lora.lora_b = mx.random.normal(lora.lora_b.shape) * 0.1  # nonzero, so lora_a gets a gradient too
+        setattr(sw, name, lora)
+    sw.freeze()
+    sw.unfreeze(keys=["lora_a", "lora_b"])
+    x, inds = _inputs(100)
+    w = mx.random.normal((1, 100, K, HIDDEN))
+
+    def loss(params, x, fn):
+        sw.update(params)
+        return (fn(sw, x, inds) * w).sum()
+
+    params = sw.trainable_parameters()
+    ref, out = sw(x, inds), sorted_switch_glu(sw, x, inds)
+    assert float(mx.abs(out - ref).max()) <= PATH_TOL * float(mx.abs(ref).max())
+    g_ref = mx.grad(loss, argnums=(0, 1))(params, x, lambda s, a, b: s(a, b))
+    g_new = mx.grad(loss, argnums=(0, 1))(params, x, sorted_switch_glu)
+    assert float(mx.abs(g_ref[1] - g_new[1]).max()) <= PATH_TOL * float(mx.abs(g_ref[1]).max())
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        for key in ("lora_a", "lora_b"):
+            a, b = g_ref[0][name][key], g_new[0][name][key]
+            assert a.shape == b.shape and float(mx.abs(a).max()) > 0
+            assert float(mx.abs(a - b).max()) <= PATH_TOL * float(mx.abs(a).max()), (name, key)
+
+
 def test_sparse_moe_uses_route_and_matches():
     """SparseMoE output (prefill-sized input, sorted path) equals route() + SwitchGLU + weighted sum + shared expert."""
     cfg = KimiConfig(
