@@ -299,11 +299,12 @@ def layer_counts(model: Model) -> dict[str, int]:
     return n
 
 
-def _untrimmed_mla():
-    """MLA prefill attention with every key block attended by all query rows (``first_row`` always 0)."""
-    from kimi_mlx.ops import mla_paths
+def _untiled_mla():
+    """MLA expanded prefill attention with one query block of all the chunk's rows (every key block attended by every
+    query, the causal mask over the chunk's whole T x T diagonal)."""
+    from kimi_mlx.ops import mla_attention
 
-    return mla_paths, "first_row", lambda *args: 0
+    return mla_attention, "QUERY_BLOCK", 1 << 30
 
 
 def _copied_experts():
@@ -314,7 +315,7 @@ def _copied_experts():
 
 
 BASELINES = {  # --baseline NAME: (object, attribute, replacement) that restores an earlier behaviour
-    "mla-untrimmed": _untrimmed_mla,
+    "mla-untiled": _untiled_mla,
     "moe-copied-experts": _copied_experts,
 }
 
