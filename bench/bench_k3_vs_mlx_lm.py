@@ -1,4 +1,4 @@
-"""kimi-mlx vs mlx-lm on the same random Kimi-K3 checkpoint: prefill / decode tok/s and peak memory.
+"""kimi-mlx vs mlx-lm (or mlx-vlm) on the same random Kimi-K3 checkpoint: prefill / decode tok/s and peak memory.
 
 A small Kimi-K3 at the scale of the Kimi Linear bench model (hidden 768, 12 layers KDA:MLA 3:1 with MLA last, KDA
 6 heads x 128 with the full-rank output gate and the lower-bound decay gate, MLA with q-LoRA and the sigmoid output
@@ -11,6 +11,11 @@ bench/README.md.
 
     python bench/bench_k3_vs_mlx_lm.py                      # float32, prefill 512/2048, decode after 512
     python bench/bench_k3_vs_mlx_lm.py --sizes 512 2048 8192 --profile
+    python bench/bench_k3_vs_mlx_lm.py --anchor mlx-vlm --sizes 2048 --profile
+
+``--anchor mlx-vlm`` compares with mlx-vlm 0.7.10's K3 text model instead (``mlx_vlm.models.kimi_k3.language``: the
+same checkpoint through its ``sanitize``, float32; its MLA prefill is one SDPA call over the cache expanded per head).
+mlx-vlm is a bench dependency only: ``pip install mlx-vlm==0.7.10``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from bench_vs_mlx_lm import (  # noqa: E402
     KEEP_F32,
     SEED,
     checkpoint_dir,
+    load_mlx_lm,
     make_checkpoint,
     parse_args,
     profile_targets,
@@ -76,8 +82,39 @@ def make_k3_checkpoint(config: dict, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
+class VlmTextModel:
+    """mlx-vlm's K3 text model as the bench drives a model: ``model(tokens, cache=...)`` -> logits, ``make_cache()``."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, tokens, cache=None):
+        return self.model(tokens, cache=cache).logits
+
+    def make_cache(self):
+        return self.model.make_cache()
+
+
+def load_mlx_vlm(path: Path, dtype) -> VlmTextModel:
+    """The checkpoint in mlx-vlm 0.7.10's ``kimi_k3`` text model (its ``sanitize`` maps the official layout), every
+    weight in ``dtype`` for float32 (as ``load_mlx_lm``), as stored for bf16."""
+    import mlx.core as mx
+    from mlx_vlm.models.kimi_k3.config import TextConfig
+    from mlx_vlm.models.kimi_k3.language import LanguageModel
+
+    model = LanguageModel(TextConfig.from_dict(CONFIG["text_config"]))
+    prefix = "language_model."  # sanitize maps the checkpoint's keys, then puts them back under this prefix
+    weights = model.sanitize(mx.load(str(path / "model.safetensors")))
+    model.load_weights([(k.removeprefix(prefix), v) for k, v in weights.items()], strict=True)
+    if dtype == mx.float32:
+        model.set_dtype(mx.float32)
+    model.eval()
+    mx.eval(model.parameters())
+    return VlmTextModel(model)
+
+
 def main(argv=None) -> int:
-    args = parse_args(__doc__, argv)
+    args = parse_args(__doc__, argv, anchors=("mlx-lm", "mlx-vlm"))
     t = TEXT_CONFIG
     note = (f"; K3: q_lora {t['q_lora_rank']}, latent MoE {t['routed_expert_hidden_size']} (+norm), SiTU "
             f"{t['activation_situ_beta']}/{t['activation_situ_linear_beta']}, AttnRes block {t['attn_res_block_size']}"
@@ -85,7 +122,8 @@ def main(argv=None) -> int:
     make_path = lambda: checkpoint_dir(  # noqa: E731
         args.cache_dir, CONFIG, make_k3_checkpoint, "kimi_k3_bench", SEED, KEEP_F32 + ("o_norm.weight",)
     )
-    return run(args, make_path, TEXT_CONFIG, partial(profile_targets, k3=True), note)
+    return run(args, make_path, TEXT_CONFIG, partial(profile_targets, k3=True), note,
+               {"mlx-lm": load_mlx_lm, "mlx-vlm": load_mlx_vlm})
 
 
 if __name__ == "__main__":

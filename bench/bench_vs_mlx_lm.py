@@ -331,7 +331,7 @@ class _Timer:
 
 def profile_targets(which: str, k3: bool = False) -> list[tuple[object, str, str]]:
     """The (object, attribute, row name) functions ``profile`` times, per implementation; ``k3`` for Kimi-K3 (mlx-lm's
-    ``kimi_k3`` classes, plus the AttnRes mix)."""
+    ``kimi_k3`` classes, or mlx-vlm's ``kimi_k3.language`` ones, plus the AttnRes mix)."""
     if which == "kimi-mlx":
         import kimi_mlx.layers.kda as kda_layer
         import kimi_mlx.layers.moe as moe_layer
@@ -341,6 +341,13 @@ def profile_targets(which: str, k3: bool = False) -> list[tuple[object, str, str
         scan, experts, ml = (kda_layer, "kda_gated"), (moe_layer, "switch_glu"), None
         classes = (kda_layer.KimiDeltaAttention, KimiMLA, moe_layer.SparseMoE, moe_layer.MLP)
         res_mix = (ResidualMix, "__call__")
+    elif which == "mlx-vlm":
+        from mlx_vlm.models.kimi_k3 import language as ml
+        from mlx_vlm.models.switch_layers import SwitchGLU
+
+        scan, experts = (ml, "gated_delta_update"), (SwitchGLU, "__call__")
+        classes = tuple(getattr(ml, "KimiK3" + n) for n in ("DeltaAttention", "MLAAttention", "SparseMoE", "MLP"))
+        res_mix = (ml, "_attn_res_mix")
     else:
         import importlib
 
@@ -396,7 +403,8 @@ def profile(which: str, model, T: int, decode_steps: int, vocab: int, targets) -
 
 
 # ---------------------------------------------------------------------------------------------------- main
-def parse_args(doc: str, argv=None) -> argparse.Namespace:
+def parse_args(doc: str, argv=None, anchors: tuple[str, ...] = ("mlx-lm",)) -> argparse.Namespace:
+    """The options; ``anchors``: the implementations ``--anchor`` may name (the first is the default)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[512, 2048], help="prefill lengths (add 8192 if patient)")
     ap.add_argument("--dtype", choices=["float32", "bf16"], default="float32")
@@ -404,7 +412,8 @@ def parse_args(doc: str, argv=None) -> argparse.Namespace:
     ap.add_argument("--decode-prompt", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--profile", action="store_true", help="also print a per-component time split (2048 prefill)")
-    ap.add_argument("--only", choices=["kimi-mlx", "mlx-lm"], help="benchmark one implementation only")
+    ap.add_argument("--anchor", choices=anchors, default=anchors[0], help="the implementation compared with")
+    ap.add_argument("--only", choices=["kimi-mlx", *anchors], help="benchmark one implementation only")
     ap.add_argument("--cache-dir", type=Path,
                     default=Path(os.environ.get("KIMI_BENCH_CACHE", Path.home() / ".cache" / "kimi_mlx_bench")))
     return ap.parse_args(argv)
@@ -419,9 +428,12 @@ def describe(c: dict) -> str:
             f"vocab {c['vocab_size']}")
 
 
-def run(args: argparse.Namespace, make_path, text_config: dict, targets, note: str = "") -> int:
+def run(args: argparse.Namespace, make_path, text_config: dict, targets, note: str = "", loaders=None) -> int:
     """The benchmark: BLAS line, checkpoint (``make_path()`` -> its directory), parity, prefill/decode table and,
-    with ``--profile``, the split over ``targets(which)`` (see ``profile``)."""
+    with ``--profile``, the split over ``targets(which)`` (see ``profile``). ``loaders``: {anchor name:
+    load(path, dtype)} (default mlx-lm's); ``args.anchor`` names the one that runs."""
+    anchor = args.anchor
+    load_anchor = (loaders or {"mlx-lm": load_mlx_lm})[anchor]
     dtype = mx.float32 if args.dtype == "float32" else mx.bfloat16  # bf16: matrices bf16, gates stay float32
 
     print(f"BLAS: {blas_in_use()}")
@@ -434,12 +446,12 @@ def run(args: argparse.Namespace, make_path, text_config: dict, targets, note: s
     vocab = text_config["vocab_size"]
 
     models = {}
-    if args.only != "mlx-lm":
+    if args.only in (None, "kimi-mlx"):
         models["kimi-mlx"] = load_kimi(path, dtype)
-    if args.only != "kimi-mlx":
-        models["mlx-lm"] = load_mlx_lm(path, dtype)
+    if args.only in (None, anchor):
+        models[anchor] = load_anchor(path, dtype)
     if len(models) == 2:
-        pre, dec, scale = parity(models["kimi-mlx"], models["mlx-lm"], vocab)
+        pre, dec, scale = parity(models["kimi-mlx"], models[anchor], vocab)
         print(f"logit parity (24-token prompt, then 4 decode steps): max |diff| prefill {pre:.2e}, decode {dec:.2e} "
               f"(max |logit| {scale:.1f})")
 
@@ -463,14 +475,14 @@ def run(args: argparse.Namespace, make_path, text_config: dict, targets, note: s
     names = list(models)
     print()
     header = f"| {'metric':46s} | " + " | ".join(f"{n:>9s}" for n in names)
-    header += " | kimi-mlx / mlx-lm |" if len(names) == 2 else " |"
+    header += f" | {'kimi-mlx / ' + anchor:>17s} |" if len(names) == 2 else " |"
     print("(values: medians over the rounds; ratio: median of the per-round ratios, each round ran both back to back)")
     print(header)
     print("|" + "-" * 48 + "|" + "|".join("-" * 11 for _ in names) + ("|" + "-" * 19 + "|" if len(names) == 2 else "|"))
     for metric, vals in rows:
         line = f"| {metric:46s} | " + " | ".join(f"{statistics.median(vals[n]):9.2f}" for n in names)
         if len(names) == 2:
-            ratio = statistics.median(k / m for k, m in zip(vals["kimi-mlx"], vals["mlx-lm"]))
+            ratio = statistics.median(k / m for k, m in zip(vals["kimi-mlx"], vals[anchor]))
             line += f" | {ratio:16.2f}x |"
         else:
             line += " |"

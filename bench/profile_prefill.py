@@ -304,11 +304,12 @@ def layer_counts(model: Model) -> dict[str, int]:
     return n
 
 
-def _untrimmed_mla():
-    """MLA prefill attention with every key block attended by all query rows (``first_row`` always 0)."""
-    from kimi_mlx.ops import mla_paths
+def _untiled_mla():
+    """MLA expanded prefill attention with one query block of all the chunk's rows (every key block attended by every
+    query, the causal mask over the chunk's whole T x T diagonal)."""
+    from kimi_mlx.ops import mla_attention
 
-    return mla_paths, "first_row", lambda *args: 0
+    return mla_attention, "QUERY_BLOCK", 1 << 30
 
 
 def _copied_experts():
@@ -333,7 +334,7 @@ def _uncompiled_kda_output_norm():
 
 BASELINES = {  # --baseline NAME: (object, attribute, replacement), or a list of them, restoring an earlier behaviour
     "kda-uncompiled-output-norm": _uncompiled_kda_output_norm,
-    "mla-untrimmed": _untrimmed_mla,
+    "mla-untiled": _untiled_mla,
     "moe-copied-experts": _copied_experts,
     "moe-sorted-loop-on-gpu": _sorted_loop_on_gpu,
 }

@@ -1000,9 +1000,9 @@ BUGS: tuple[PlantedBug, ...] = (
         ("tests/test_parallel_tensor.py::test_expert_parallel_decode_runs_only_local_pairs",),
     ),
     PlantedBug(
-        "MLA prefill: causal row trimming also skips the row that sees a key block's first key",
-        (("kimi_mlx/ops/mla_paths.py", "return max(0, s0 - (S - T))", "return max(0, s0 - (S - T) + 1)"),),
-        ("tests/test_mla_blockwise.py::test_layer_blockwise_equals_fused",),
+        "MLA prefill: a query block's causal tiles end one key early (its last row loses its own key)",
+        (("kimi_mlx/ops/mla_paths.py", "        return S - T + r0, S - T + r1\n", "        return S - T + r0, S - T + r1 - 1\n"),),
+        ("tests/test_mla_blockwise.py::test_layer_blockwise_equals_plain",),
     ),
     PlantedBug(
         "MoE sorted path: each expert's rows go through the previous expert's weights (view off by one)",
@@ -1038,6 +1038,11 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/layers/moe.py", 'expert_view(layer["lora_b"], e).T',
           'expert_view(layer["lora_b"], max(e - 1, 0)).T'),),
         ("tests/test_moe.py::test_lora_gradients_match",),
+    ),
+    PlantedBug(
+        "MLA prefill: a causal chunk's tiles also cover the keys after its queries (computed, then masked)",
+        (("kimi_mlx/ops/mla_paths.py", "        return S - T + r0, S - T + r1\n", "        return S - T + r0, S\n"),),
+        ("tests/test_mla_paths.py::test_causal_tiles_skip_hidden_keys",),
     ),
 )
 

@@ -1,15 +1,18 @@
-"""Blockwise MLA attention (ops/mla_attention.py) over the paged latent cache: equals the fused single-block path,
-bounds prefill memory (the cache grows by pages, never by copying)."""
+"""Blockwise MLA attention (ops/mla_attention.py) over the paged latent cache: equals the plain path (one
+``scaled_dot_product_attention`` call over the whole cache expanded per head), bounds prefill memory (the cache grows
+by pages, never by copying)."""
+
+from contextlib import contextmanager
 
 import mlx.core as mx
 import pytest
 
+import kimi_mlx.layers.mla as mla_layer
 import kimi_mlx.ops.mla_attention as mla_ops
 from kimi_mlx.cache import MLALatentCache
 from kimi_mlx.models.kimi_linear import attention_mask
-from kimi_mlx.ops.latent import width
-
-FUSED = 10**9  # a key block larger than any cache here: the fused path the layer had before blockwise attention
+from kimi_mlx.ops.latent import concatenate, width
+from kimi_mlx.ops.mla_paths import fused, segments
 
 
 def mla_layers(model):
@@ -19,6 +22,23 @@ def mla_layers(model):
 def set_key_block(model, key_block: int) -> None:
     for attn in mla_layers(model):
         attn.key_block = key_block
+
+
+def plain_attention(q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, mask=None, **_):
+    """The reference: the cache's segments concatenated, expanded per head, one ``scaled_dot_product_attention``."""
+    kv_latent, k_pe = (concatenate(segments(x), 2) for x in (kv_latent, k_pe))
+    return fused(q_nope, q_pe, kv_latent, k_pe, embed_q, unembed_out, scale, mask, absorbed=False)
+
+
+@contextmanager
+def plain_layers():
+    """The MLA layers attend by ``plain_attention`` inside the block."""
+    blockwise = mla_layer.mla_attention
+    mla_layer.mla_attention = plain_attention
+    try:
+        yield
+    finally:
+        mla_layer.mla_attention = blockwise
 
 
 def layer_chunk(attn, x, prefix: int, left_padding, key_block: int, page_size: int = 4096) -> mx.array:
@@ -33,7 +53,14 @@ def layer_chunk(attn, x, prefix: int, left_padding, key_block: int, page_size: i
     return attn(x[:, prefix:], attention_mask(T, prefix, cache.left_padding), cache)
 
 
-@pytest.mark.parametrize("absorbed_max", [0, 10**6], ids=["expanded", "absorbed"])
+FORMS = {  # name: (absorbed, queries per expanded tile)
+    "absorbed": (True, mla_ops.QUERY_BLOCK),
+    "expanded": (False, mla_ops.QUERY_BLOCK),
+    "expanded-5-query-tiles": (False, 5),  # several query blocks, diagonal tiles across 16-key block ends
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize(
     "prefix,T,left_padding",
     [
@@ -48,39 +75,41 @@ def layer_chunk(attn, x, prefix: int, left_padding, key_block: int, page_size: i
     ],
 )
 @pytest.mark.parametrize("arch_name", ["kl_model", "k3_model"])
-def test_layer_blockwise_equals_fused(request, arch_name, prefix, T, left_padding, absorbed_max, monkeypatch):
+def test_layer_blockwise_equals_plain(request, arch_name, prefix, T, left_padding, form, monkeypatch):
     """16-key blocks in one page, and in 24-position pages (blocks cut at page ends: 16 + 8 keys; chunks written
-    across pages), equal the fused path over one page."""
+    across pages), equal the plain path over one page, in either form (expanded: in tiles of 128 or 5 queries)."""
     model = request.getfixturevalue(arch_name)
     attn = mla_layers(model)[0]
-    monkeypatch.setattr(mla_ops, "ABSORBED_MAX_QUERIES", absorbed_max)
+    absorbed, query_block = FORMS[form]
+    monkeypatch.setattr(mla_ops, "absorbs", lambda *dims: absorbed)
+    monkeypatch.setattr(mla_ops, "QUERY_BLOCK", query_block)
     B = 1 if left_padding is None else len(left_padding)
     x = mx.random.normal((B, prefix + T, model.args.hidden_size), key=mx.random.key(prefix * 1000 + T))
     try:
-        ref = layer_chunk(attn, x, prefix, left_padding, FUSED)
+        with plain_layers():
+            ref = layer_chunk(attn, x, prefix, left_padding, None)
         for page_size in (4096, 24):
             out = layer_chunk(attn, x, prefix, left_padding, 16, page_size)
             err = mx.abs(out - ref).max().item()
             assert err <= 1e-5 * max(1.0, mx.abs(ref).max().item()), (page_size, err)
     finally:
-        attn.key_block = mla_ops.KEY_BLOCK
-
+        attn.key_block = None
 
 
 @pytest.fixture
 def kl_blocks(kl_model):
     """The Kimi Linear fixture; its MLA layers get the default key block back afterwards."""
     yield kl_model
-    set_key_block(kl_model, mla_ops.KEY_BLOCK)
+    set_key_block(kl_model, None)
 
 
 def decode_vs_full(model, n: int, chunk: int, key_block: int, steps: int = 3) -> float:
-    """Max |logit difference| / max |logit| between a full forward (fused attention) over n + steps tokens and a
+    """Max |logit difference| / max |logit| between a full forward (the plain attention) over n + steps tokens and a
     prefill of n tokens in ``chunk``-token chunks followed by ``steps`` decode steps, with ``key_block``."""
     tokens = mx.random.randint(0, model.args.vocab_size, (1, n + steps), key=mx.random.key(n))
-    set_key_block(model, FUSED)
-    full = model(tokens)[:, n - 1 :]
-    mx.eval(full)
+    with plain_layers():
+        full = model(tokens)[:, n - 1 :]
+        mx.eval(full)
     set_key_block(model, key_block)
     cache = model.make_cache()
     for s in range(0, n, chunk):
@@ -164,13 +193,17 @@ def test_growth_adds_pages_and_keeps_the_others(kl_blocks, kv):
 
 def test_auto_key_block_bounds_scores_and_matches_small_blocks(kl_blocks):
     """``key_block=None`` (the layers' default): blocks of ``auto_key_block`` keys, whose float32 scores fit
-    SCORE_BUDGET_BYTES whatever the context (decode: few large blocks; expanded prefill chunks: 512); decode and
-    prefill equal 64-key blocks within 1e-5."""
+    SCORE_BUDGET_BYTES whatever the context (absorbed decode: few large blocks of B x H x T x block scores; expanded
+    prefill chunks: 512-key blocks in tiles of QUERY_BLOCK queries, also at K3's 96 heads); decode and prefill equal
+    64-key blocks within 1e-5."""
     budget = mla_ops.SCORE_BUDGET_BYTES
-    for B, H, T in [(1, 32, 1), (1, 32, 128), (4, 2, 1), (1, 2, 100), (1, 64, 4096)]:
-        kb = mla_ops.auto_key_block(B, H, T)
-        assert kb % mla_ops.KEY_BLOCK == 0 and (4 * B * H * T * kb <= budget or kb == mla_ops.KEY_BLOCK)
-    assert mla_ops.auto_key_block(1, 32, 1) == 262144 and mla_ops.auto_key_block(1, 2, 2048) == 512
+    for B, H, T, absorbed in [(1, 32, 1, True), (1, 32, 128, True), (4, 2, 1, True), (1, 2, 100, True),
+                              (1, 64, 4096, False), (1, 96, 2048, False), (1, 2, 40, False)]:
+        kb = mla_ops.auto_key_block(B, H, T, absorbed)
+        rows = T if absorbed else min(T, mla_ops.QUERY_BLOCK)
+        assert kb % mla_ops.KEY_BLOCK == 0 and (4 * B * H * rows * kb <= budget or kb == mla_ops.KEY_BLOCK)
+        assert absorbed or kb == mla_ops.KEY_BLOCK
+    assert mla_ops.auto_key_block(1, 32, 1, True) == 262144 and mla_ops.auto_key_block(1, 2, 2048, False) == 512
     attn = mla_layers(kl_blocks)[0]
     x = mx.random.normal((1, 700, kl_blocks.args.hidden_size), key=mx.random.key(3))
     for prefix in (600, 699):  # a 100-token chunk, a decode step

@@ -72,6 +72,13 @@ def width(part: Latent) -> int:
     return arrays(part)[0].shape[2]
 
 
+def features(part: Latent) -> int:
+    """The width w of a position (axis 3; a quantized part's as dequantized)."""
+    if isinstance(part, QuantizedLatent):
+        return part.scales.shape[-1] * part.group_size
+    return part.shape[-1]
+
+
 def rows(part: Latent) -> int:
     """Number of rows (axis 0)."""
     return arrays(part)[0].shape[0]

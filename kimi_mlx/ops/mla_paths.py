@@ -16,19 +16,22 @@ Shapes (B batch, H heads, T queries, S keys, r = kv_lora_rank, dn = qk_nope, dr 
 score(t, s) = scale * (q_nope . k_nope_s + q_pe . k_pe_s) with k_nope_s = c_kv_s W_kb^T and v_s = c_kv_s W_vb^T.
 
 - ``fused``: one float segment in one call of ``mx.fast.scaled_dot_product_attention``: absorbed in latent space
-  (one shared key head [c_kv, k_pe], c_kv as the values) for few queries (decode, a verify pass), per-head expanded
-  keys and values otherwise.
+  (one shared key head [c_kv, k_pe], c_kv as the values) for few queries (decode, a verify pass); expanded, the
+  plain full-attention call (per-head keys and values of the whole segment, memory O(H x T x S)), the yardstick the
+  blockwise forms are measured and tested against.
 - ``absorbed_blocks``: latent space (q_lat = q_nope W_kb, scores q_lat c^T + q_pe k_pe^T, output (p c) W_vb^T), all
   heads folded into the query axis so a block is one matmul; ~2(2r + dr) flops per query x key x head. A block may
   span several segments (one softmax over their concatenated scores, the weighted sum summed over their pieces).
   Quantized segments are read as stored (``mx.quantized_matmul``).
 - ``expanded_blocks``: per-head keys and values of one block at a time (a block lies in one segment, dequantized
-  when quantized); ~2(dn + dr + dv) flops per query x key x head plus 2r(dn + dv) per key x head to expand.
+  when quantized), attended in tiles of a query block x the key block, each query block with its own running
+  state, so a causal mask costs only its diagonal tiles; ~2(dn + dr + dv) flops per query x key x head plus
+  2r(dn + dv) per key x head to expand.
 
 Blockwise, the keys are visited ``key_block`` at a time with a running max / sum / output (float32), so the extra
-memory is O(H x T x key_block), whatever S is; the whole cache is never expanded per head nor concatenated. Every
-row must be allowed at least one key (our masks always let a query see itself); blocks a row may not see at all are
-cancelled exactly by the later rescale.
+memory is O(H x T x key_block) absorbed, O(H x query_block x key_block) per tile expanded, whatever S is; the whole
+cache is never expanded per head nor concatenated. Every row must be allowed at least one key (our masks always let
+a query see itself); blocks a row may not see at all are cancelled exactly by the later rescale.
 """
 
 from __future__ import annotations
@@ -52,9 +55,10 @@ class LeftPaddedCausal:
 
     left_padding: mx.array
 
-    def block(self, T: int, S: int, s0: int, s1: int) -> mx.array:
-        """Bool [B, 1, T, s1 - s0] for keys [s0, s1) (True = may attend)."""
-        q_pos = (S - T) + mx.arange(T)
+    def block(self, T: int, S: int, s0: int, s1: int, r0: int = 0, r1: Optional[int] = None) -> mx.array:
+        """Bool [B, 1, r1 - r0, s1 - s0] for query rows [r0, r1) (default all T) and keys [s0, s1) (True = may
+        attend)."""
+        q_pos = (S - T) + mx.arange(r0, T if r1 is None else r1)
         k_pos = mx.arange(s0, s1)
         causal = k_pos[None, :] <= q_pos[:, None]
         real_key = k_pos[None, None, :] >= self.left_padding[:, None, None]
@@ -71,16 +75,30 @@ def segments(keys: Keys) -> list:
     return keys if isinstance(keys, list) else [keys]
 
 
-def block_mask(mask: Mask, T: int, S: int, s0: int, s1: int) -> Optional[mx.array]:
-    """Bool mask for keys [s0, s1) ([B, 1, T, s1-s0] or [T, s1-s0]), or None when the block is fully visible."""
+def block_mask(mask: Mask, T: int, S: int, s0: int, s1: int, r0: int = 0, r1: Optional[int] = None
+               ) -> Optional[mx.array]:
+    """Bool mask of query rows [r0, r1) (default all T) for keys [s0, s1) ([B, 1, r1-r0, s1-s0] or [r1-r0, s1-s0]),
+    or None when all of these rows see all of these keys."""
+    r1 = T if r1 is None else r1
     if isinstance(mask, mx.array):
-        return mask[..., s0:s1]
+        return mask[..., r0:r1, s0:s1] if (r0, r1) != (0, T) else mask[..., s0:s1]
     if isinstance(mask, LeftPaddedCausal):
-        return mask.block(T, S, s0, s1)
-    if mask == "causal" and s1 > S - T + 1:
-        q_pos = (S - T) + mx.arange(T)
+        return mask.block(T, S, s0, s1, r0, r1)
+    if mask == "causal" and s1 - 1 > S - T + r0:  # row r's last visible key is S - T + r
+        q_pos = (S - T) + mx.arange(r0, r1)
         return mx.arange(s0, s1)[None, :] <= q_pos[:, None]
     return None
+
+
+def causal_split(mask: Mask, T: int, S: int, r0: int, r1: int) -> tuple[int, int]:
+    """Keys (full, seen) of query rows [r0, r1) under ``mask``'s causal part: keys before ``full`` come before every
+    one of these rows' positions, keys from ``seen`` on after all of them; the rows attend keys [0, seen), only
+    [full, seen) needs the causal mask (a square diagonal tile: rows at positions S - T + r0 .. S - T + r1 - 1).
+    Causal masks ("causal", ``LeftPaddedCausal``: queries at positions S - T .. S - 1): (S - T + r0, S - T + r1);
+    other masks: (S, S), all keys (an array mask still applies to every tile, ``block_mask``)."""
+    if isinstance(mask, LeftPaddedCausal) or (isinstance(mask, str) and mask == "causal"):
+        return S - T + r0, S - T + r1
+    return S, S
 
 
 def fused(q_nope, q_pe, kv_latent: mx.array, k_pe: mx.array, embed_q, unembed_out, scale: float, mask: Mask,
@@ -133,56 +151,48 @@ def _after(pieces: list[Piece], done: list[mx.array]) -> list[Piece]:
     return list(zip(waited[::2], waited[1::2]))
 
 
-Attend = Callable[[list[Piece], int], tuple[mx.array, Callable[[mx.array], mx.array]]]
+Attend = Callable[[list[Piece]], tuple[mx.array, Callable[[mx.array], mx.array]]]
 
 
-def first_row(mask: Mask, T: int, S: int, s0: int) -> int:
-    """The first of the T query rows that may see key ``s0`` or a later one: under a causal mask ("causal" or
-    ``LeftPaddedCausal``, queries at positions S - T .. S - 1) the rows before position ``s0`` see no key from ``s0``
-    on; 0 for other masks."""
-    if mask == "causal" or isinstance(mask, LeftPaddedCausal):
-        return max(0, s0 - (S - T))
-    return 0
+State = tuple[mx.array, mx.array, mx.array]  # running (max [.., 1], sum [.., 1], output [.., d]), float32
+
+
+def _softmax_step(state: Optional[State], s: mx.array, weigh: Callable[[mx.array], mx.array]) -> State:
+    """The online softmax's running state after one more block of scores ``s`` [.., n] (float32, masked entries at
+    the float32 minimum), ``weigh(p)`` giving the weighted sum of the block's values [.., d] for its probabilities."""
+    if state is None:
+        m = s.max(axis=-1, keepdims=True)
+        p = mx.exp(s - m)
+        return m, p.sum(axis=-1, keepdims=True), weigh(p).astype(mx.float32)
+    m0, l0, acc0 = state
+    m = mx.maximum(m0, s.max(axis=-1, keepdims=True))
+    p = mx.exp(s - m)
+    alpha = mx.exp(m0 - m)  # [.., 1]
+    return m, l0 * alpha + p.sum(axis=-1, keepdims=True), acc0 * alpha + weigh(p)
 
 
 def _online_softmax(kv_latent: list, k_pe: list, key_block: int, span: bool, mask: Mask, T: int,
-                    attend: Attend, trim_rows: bool = False) -> mx.array:
-    """softmax(scores) @ values over the key blocks (``_blocks``), float32 [B, H, T, d]. ``attend(pieces, r0)`` gives
-    a block's scores for query rows r0.. [B, H, T - r0, n] and the function that maps their probabilities (float32,
-    same shape) to their weighted sum of values [B, H, T - r0, d]. With ``trim_rows`` a block is attended only by the
-    rows that may see one of its keys (``first_row``: under a causal mask, a prefill chunk's later key blocks skip
-    its earlier rows, whose running state a fully hidden block leaves unchanged); else r0 = 0."""
+                    attend: Attend) -> mx.array:
+    """softmax(scores) @ values over the key blocks (``_blocks``), float32 [B, H, T, d]. ``attend(pieces)`` gives a
+    block's scores [B, H, T, n] and the function that maps their probabilities (float32, same shape) to their weighted
+    sum of values [B, H, T, d]."""
     widths = [latent.width(c) for c in kv_latent]
     S = sum(widths)
-    m = l = acc = None
+    state = None
     s0 = 0
     for block in _blocks(widths, key_block, span):
         pieces = [(latent.positions(kv_latent[i], b0, b1), latent.positions(k_pe[i], b0, b1)) for i, b0, b1 in block]
-        if acc is not None:
-            pieces = _after(pieces, [m, l, acc])
-        r0 = first_row(mask, T, S, s0) if trim_rows and m is not None else 0
-        s, weigh = attend(pieces, r0)
-        s = s.astype(mx.float32)  # [B, H, T - r0, n]
+        if state is not None:
+            pieces = _after(pieces, list(state))
+        s, weigh = attend(pieces)
+        s = s.astype(mx.float32)  # [B, H, T, n]
         n = s.shape[-1]
         bm = block_mask(mask, T, S, s0, s0 + n)
         if bm is not None:
-            s = mx.where(bm[..., r0:, :], s, mx.finfo(mx.float32).min)
-        if m is None:
-            m_new = s.max(axis=-1, keepdims=True)
-            p = mx.exp(s - m_new)
-            l, acc = p.sum(axis=-1, keepdims=True), weigh(p).astype(mx.float32)
-        else:
-            mt, lt, at = (x[..., r0:, :] for x in (m, l, acc)) if r0 else (m, l, acc)
-            m_new = mx.maximum(mt, s.max(axis=-1, keepdims=True))
-            p = mx.exp(s - m_new)
-            alpha = mx.exp(mt - m_new)
-            lt, at = lt * alpha + p.sum(axis=-1, keepdims=True), at * alpha + weigh(p)
-            if r0:  # rows before r0 keep their state
-                m_new, lt, at = (mx.concatenate([x[..., :r0, :], y], axis=-2) for x, y in ((m, m_new), (l, lt),
-                                                                                        (acc, at)))
-            l, acc = lt, at
-        m = m_new
+            s = mx.where(bm, s, mx.finfo(mx.float32).min)
+        state = _softmax_step(state, s, weigh)
         s0 += n
+    _, l, acc = state
     return acc / l
 
 
@@ -194,7 +204,7 @@ def absorbed_blocks(q_nope, q_pe, kv_latent: list, k_pe: list, embed_q, unembed_
     q_lat = (embed_q(q_nope) * scale).reshape(B, 1, H * T, -1)
     q_rot = (q_pe * scale).reshape(B, 1, H * T, -1)
 
-    def attend(pieces: list[Piece], r0: int):  # r0 = 0: blocks are not trimmed here
+    def attend(pieces: list[Piece]):
         s = mx.concatenate([latent.addmm(latent.matmul(q_rot, kr), q_lat, c) for c, kr in pieces], axis=-1)
         n = s.shape[-1]
 
@@ -214,18 +224,44 @@ def absorbed_blocks(q_nope, q_pe, kv_latent: list, k_pe: list, embed_q, unembed_
 
 
 def expanded_blocks(q_nope, q_pe, kv_latent: list, k_pe: list, embed_q, unembed_out, scale: float, mask: Mask,
-                    key_block: int) -> mx.array:
-    """Per-head expanded attention, one block (inside one segment) at a time -> [B, H, T, dv] (see the module
-    docstring)."""
+                    key_block: int, query_block: int) -> mx.array:
+    """Per-head expanded attention in tiles of ``query_block`` queries x up to ``key_block`` keys -> [B, H, T, dv] (see
+    the module docstring).
+
+    Key blocks (each inside one segment) are expanded once each, ``k = [c W_kb^T, k_pe]`` [B, H, n, dn + dr] and
+    ``v = c W_vb^T`` [B, H, n, dv]; every query block attends a key block's keys it may see, each with its own running
+    softmax state, so a causal tile left of the diagonal needs no mask, a tile right of it is skipped and the square
+    diagonal tile is the only one masked (``causal_split``); a query block whose keys all fit one tile has one plain
+    softmax pass (no rescale). Memory: B x H x ``query_block`` x ``key_block`` float32 scores per tile, one key
+    block's expansion and the running states (B x H x T x (dv + 2)), whatever S is."""
     T = q_nope.shape[2]
-    q_nope, q_pe = q_nope * scale, q_pe * scale
-
-    def attend(pieces: list[Piece], r0: int):
-        [(c, kr)] = pieces
-        c, kr = latent.dequantize(c), latent.dequantize(kr)
+    widths = [latent.width(c) for c in kv_latent]
+    S = sum(widths)
+    q = mx.concatenate([q_nope, q_pe], axis=-1) * scale  # [B, H, T, dn + dr]
+    rows = [(r0, min(r0 + query_block, T)) for r0 in range(0, T, query_block)]
+    splits = [causal_split(mask, T, S, r0, r1) for r0, r1 in rows]
+    states: list[Optional[State]] = [None] * len(rows)
+    s0 = 0
+    for [(i, b0, b1)] in _blocks(widths, key_block, False):
+        s1 = s0 + b1 - b0
+        piece = (latent.positions(kv_latent[i], b0, b1), latent.positions(k_pe[i], b0, b1))
+        done = [x for state in states if state is not None for x in state]
+        if done:  # this block's expansion waits for the previous block's tiles
+            [piece] = _after([piece], done)
+        c, kr = latent.dequantize(piece[0]), latent.dequantize(piece[1])  # [B, 1, n, r], [B, 1, n, dr]
+        k_nope = embed_q(c, transpose=False)  # [B, H, n, dn]
+        k = mx.concatenate([k_nope, mx.broadcast_to(kr, (*k_nope.shape[:-1], kr.shape[-1]))], axis=-1)
         v = unembed_out(c)  # [B, H, n, dv]
-        qn, qp = (q_nope[:, :, r0:], q_pe[:, :, r0:]) if r0 else (q_nope, q_pe)  # [B, H, T - r0, .]
-        s = qn @ embed_q(c, transpose=False).swapaxes(-1, -2) + qp @ kr.swapaxes(-1, -2)
-        return s, lambda p: p.astype(v.dtype) @ v
-
-    return _online_softmax(kv_latent, k_pe, key_block, False, mask, T, attend, trim_rows=True).astype(q_nope.dtype)
+        for j, ((r0, r1), (full, seen)) in enumerate(zip(rows, splits)):
+            for a, b in ((s0, min(s1, full)), (max(s0, full), min(s1, seen))):  # left of the diagonal, on it
+                if a >= b:
+                    continue
+                ka, va = k[:, :, a - s0 : b - s0], v[:, :, a - s0 : b - s0]  # [B, H, b - a, .]
+                s = (q[:, :, r0:r1] @ ka.swapaxes(-1, -2)).astype(mx.float32)  # [B, H, r1 - r0, b - a]
+                bm = block_mask(mask, T, S, a, b, r0, r1)
+                if bm is not None:
+                    s = mx.where(bm, s, mx.finfo(mx.float32).min)
+                states[j] = _softmax_step(states[j], s, lambda p, va=va: p.astype(va.dtype) @ va)
+        s0 = s1
+    out = mx.concatenate([acc / l for _, l, acc in states], axis=2)  # [B, H, T, dv]
+    return out.astype(q_nope.dtype)
