@@ -79,9 +79,11 @@ def run_training(model, data, tmp_path, iters: int, lr: float) -> list[dict]:
 @pytest.mark.parametrize("name", ["kimi_linear", "kimi_k3"])
 def test_overfit_with_every_projection_only_adapters_change(name, kl_dir, k3_dir, tmp_path, monkeypatch):
     """LoRA on every projection group (K3: including the AttnRes projections, router and per-expert LoRA on the
-    stacked routed experts): every adapter gets a gradient at the start, and the model overfits a 2-sequence dataset: loss from ~ln(vocab) to below 0.35 * ln(vocab) within
-    40 Adam steps (lr 3e-3, rank 8, scale 10). Base weights stay bit-for-bit equal and the KDA scan runs chunked
-    (the token-by-token path is never called with more than one token)."""
+    stacked routed experts): every adapter gets a gradient at the start, and the model overfits a 2-sequence dataset:
+    loss from ~ln(vocab) to below 0.35 * ln(vocab) within 80 Adam steps (lr 1e-3, rank 8, scale 10; at lr 3e-3 the
+    run was on the edge of stability: its final loss ranged 0.4-3.3 with float32 rounding alone, e.g. the BLAS or
+    the chunk size, where this one ends at 0.1-1.5). Base weights stay bit-for-bit equal and the KDA scan runs
+    chunked (the token-by-token path is never called with more than one token)."""
     import kimi_mlx.ops.kda as kda_ops
 
     model, cfg = fresh((kl_dir if name == "kimi_linear" else k3_dir) / "hf")
@@ -109,7 +111,7 @@ def test_overfit_with_every_projection_only_adapters_change(name, kl_dir, k3_dir
     monkeypatch.setattr(kda_ops, "kda_recurrent", lambda q, *a, **k: calls.append(q.shape[1]) or real(q, *a, **k))
     loss0 = default_loss(model, *as_batch(data))[0].item()
     assert abs(loss0 - math.log(cfg.vocab_size)) < 1.0
-    records = run_training(model, data, tmp_path, iters=40, lr=3e-3)
+    records = run_training(model, data, tmp_path, iters=80, lr=1e-3)
     loss = default_loss(model, *as_batch(data))[0].item()
     assert loss < 0.35 * math.log(cfg.vocab_size), (loss0, loss, records)
     assert all(t <= 1 for t in calls), f"token-by-token KDA ran on {calls} tokens during training"
