@@ -118,19 +118,24 @@ def test_compile_falls_back():
     assert float(mx.abs(out - sw(x, inds)).max()) <= PATH_TOL  # outputs are below 1 in size
 
 
-def test_gradients_match():
-    """The sorted path is differentiable: gradients w.r.t. the input and the expert weights equal SwitchGLU's."""
-    sw = _switch(False)
-    x, inds = _inputs(100)
-    w = mx.random.normal((1, 100, K, HIDDEN))
+def _gradients(sw: SwitchGLU, n_tokens: int = 100):
+    """Gradients of a fixed weighted sum of the routed output w.r.t. (the trainable parameters, the input), through
+    SwitchGLU and through the sorted path: (reference, sorted)."""
+    x, inds = _inputs(n_tokens)
+    w = mx.random.normal((1, n_tokens, K, HIDDEN))
 
     def loss(params, x, fn):
         sw.update(params)
         return (fn(sw, x, inds) * w).sum()
 
     params = sw.trainable_parameters()
-    g_ref = mx.grad(loss, argnums=(0, 1))(params, x, lambda s, a, b: s(a, b))
-    g_new = mx.grad(loss, argnums=(0, 1))(params, x, sorted_switch_glu)
+    ref = mx.grad(loss, argnums=(0, 1))(params, x, lambda s, a, b: s(a, b))
+    return ref, mx.grad(loss, argnums=(0, 1))(params, x, sorted_switch_glu)
+
+
+def test_gradients_match():
+    """The sorted path is differentiable: gradients w.r.t. the input and the expert weights equal SwitchGLU's."""
+    g_ref, g_new = _gradients(_switch(False))
     assert float(mx.abs(g_ref[1] - g_new[1]).max()) <= PATH_TOL * float(mx.abs(g_ref[1]).max())
     for name in ("gate_proj", "up_proj", "down_proj"):
         a, b = g_ref[0][name]["weight"], g_new[0][name]["weight"]
@@ -150,17 +155,9 @@ def test_lora_gradients_match():
     sw.freeze()
     sw.unfreeze(keys=["lora_a", "lora_b"])
     x, inds = _inputs(100)
-    w = mx.random.normal((1, 100, K, HIDDEN))
-
-    def loss(params, x, fn):
-        sw.update(params)
-        return (fn(sw, x, inds) * w).sum()
-
-    params = sw.trainable_parameters()
     ref, out = sw(x, inds), sorted_switch_glu(sw, x, inds)
     assert float(mx.abs(out - ref).max()) <= PATH_TOL * float(mx.abs(ref).max())
-    g_ref = mx.grad(loss, argnums=(0, 1))(params, x, lambda s, a, b: s(a, b))
-    g_new = mx.grad(loss, argnums=(0, 1))(params, x, sorted_switch_glu)
+    g_ref, g_new = _gradients(sw)
     assert float(mx.abs(g_ref[1] - g_new[1]).max()) <= PATH_TOL * float(mx.abs(g_ref[1]).max())
     for name in ("gate_proj", "up_proj", "down_proj"):
         for key in ("lora_a", "lora_b"):
