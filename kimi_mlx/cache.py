@@ -41,7 +41,14 @@ cache (mlx-lm's ``maybe_quantize_kv_cache`` calls it: ``quantized_kv_start``).
 
 For serving many sequences: ``cache.snapshot(row)`` takes one sequence's whole cache out (a ``CacheSnapshot``, to
 keep across requests), ``cache_from_snapshot(snap)`` makes a fresh cache from it, ``merge_caches(caches)`` stacks
-caches into one left-padded batch, and ``cache.filter(rows)`` keeps some rows of a batch.
+caches into one left-padded batch, and ``cache.filter(rows)`` keeps some rows of a batch. Snapshots inside one
+prefill call: ``cache.mark(offsets)`` before it makes each KDA layer keep its state where the call passes those
+offsets (it cuts its scan there), and ``cache.snapshot(row, at=offset)`` after it gives the cache as it was there
+(the latent positions before ``at``, the kept state)::
+
+    cache.mark([n_system])                # the system prompt's end lies inside the next call
+    model(prompt[None], cache=cache)
+    system = cache.snapshot(at=n_system)  # what a call of the system prompt alone would have left
 
 **Pages are shared, never modified.** A page is immutable: the cache writes its last page functionally (a new
 ``LatentPage`` each time), so whoever else holds the old page keeps it as it was. MLX writes the buffer in place when
@@ -75,8 +82,9 @@ from .ops.latent import Latent
 
 class _LayerCache:
     """What every layer cache has: ``offset``, ``left_padding`` and the padding mask. Each kind implements
-    ``checkpoint`` / ``restore`` (roll back to a checkpoint), ``snapshot`` / ``load_snapshot`` (one row out, into a
-    fresh cache), ``filter`` (keep rows), ``merge`` (stack caches' rows), ``depend_on``, and mlx-lm's ``trim``."""
+    ``checkpoint`` / ``restore`` (roll back to a checkpoint), ``mark`` (keep what a snapshot inside the next forward
+    call needs), ``snapshot`` / ``load_snapshot`` (one row out, into a fresh cache), ``filter`` (keep rows),
+    ``merge`` (stack caches' rows), ``depend_on``, and mlx-lm's ``trim``."""
 
     is_kda = False  # a KDA layer's cache (``CacheSnapshot.kda_layers``)
     quant: Optional[tuple[int, int]] = None  # (kv_bits, kv_group_size) of a quantized latent; None: float or none
@@ -295,13 +303,14 @@ class MLALatentCache(_LayerCache):
         q.offset = self.offset
         return q
 
-    def row_pages(self, row: int, pad: int) -> list[LatentPage]:
-        """Row ``row``'s positions [pad, offset) as one-row pages from position ``pad`` (every page full but a short
-        last one). Shared: the full pages of a one-row cache without padding, and the row's ``origins``; the rest is
-        copied."""
-        origin = self.origins[row] if self.origins else ()
+    def row_pages(self, row: int, pad: int, end: Optional[int] = None) -> list[LatentPage]:
+        """Row ``row``'s positions [pad, end) (``end`` None: the offset) as one-row pages from position ``pad`` (every
+        page full but a short last one). Shared: the full pages of a one-row cache without padding, and the row's
+        ``origins``; the rest is copied."""
+        end = self.offset if end is None else end
+        origin = self.origins[row][: (end - pad) // self.page_size] if self.origins else ()
         rows = None if self.pages[0].rows == 1 else mx.array([row])
-        return list(origin) + _repage(self, pad + len(origin) * self.page_size, self.offset, rows)
+        return list(origin) + _repage(self, pad + len(origin) * self.page_size, end, rows)
 
     def checkpoint(self) -> None:
         """What a ``CacheCheckpoint`` keeps of this layer: nothing (``restore`` trims the positions written since)."""
@@ -312,10 +321,13 @@ class MLALatentCache(_LayerCache):
         the latent trimmed to ``offset`` positions."""
         self.trim(self.offset - offset)
 
-    def snapshot(self, row: int, pad: int) -> tuple[LatentPage, ...]:
-        """Row ``row``'s positions [pad, offset) as one-row pages from position ``pad`` (see ``row_pages``), ``()``
-        when there are none: this layer's entry of a ``CacheSnapshot``."""
-        return tuple(self.row_pages(row, pad)) if self.pages and self.offset > pad else ()
+    def mark(self, offsets: tuple[int, ...]) -> None:
+        """Nothing to keep: the positions before any offset stay in the pages (``snapshot(..., end)`` reads them)."""
+
+    def snapshot(self, row: int, pad: int, end: int) -> tuple[LatentPage, ...]:
+        """Row ``row``'s positions [pad, end) as one-row pages from position ``pad`` (see ``row_pages``), ``()``
+        when there are none: this layer's entry of a ``CacheSnapshot`` taken after ``end`` tokens."""
+        return tuple(self.row_pages(row, pad, end)) if self.pages and end > pad else ()
 
     def load_snapshot(self, pages: tuple[LatentPage, ...], offset: int) -> None:
         """Hold a snapshot's ``pages`` (shared: this cache's writes make new pages) as positions [0, offset)."""
@@ -414,6 +426,8 @@ class KDACache(_LayerCache):
         super().__init__(left_padding)
         self.conv_state: Optional[mx.array] = None
         self.recurrent_state: Optional[mx.array] = None
+        self.marks: tuple[int, ...] = ()  # offsets at which the next forward call keeps its state (``mark``)
+        self.kept: dict[int, tuple] = {}  # offset -> (conv_state, recurrent_state) kept there (``keep``)
 
     def empty_like(self, left_padding: Optional[mx.array]) -> "KDACache":
         return KDACache(left_padding)
@@ -446,15 +460,40 @@ class KDACache(_LayerCache):
         return self.conv_state, self.recurrent_state
 
     def restore(self, state: tuple, offset: int) -> None:
-        """Roll back to a checkpoint taken at ``offset`` tokens (``state``: this layer's ``checkpoint()`` then)."""
+        """Roll back to a checkpoint taken at ``offset`` tokens (``state``: this layer's ``checkpoint()`` then); the
+        marks and the states kept at them are dropped."""
         self.conv_state, self.recurrent_state = state
         self.offset = offset
+        self.mark(())
 
-    def snapshot(self, row: int, pad: int) -> tuple:
-        """Row ``row``'s ``(conv_state [1, K-1, C], recurrent_state [1, H, Dv, Dk])`` (``(None, None)`` while empty):
-        this layer's entry of a ``CacheSnapshot``. A one-row cache's arrays are shared, a batch row's copied; ``pad``
-        does not matter (the state summarises the real tokens only)."""
-        return tuple(a if a is None or a.shape[0] == 1 else _copy(a[row : row + 1]) for a in self.checkpoint())
+    def mark(self, offsets: tuple[int, ...]) -> None:
+        """The next forward call keeps its state at each of ``offsets`` it passes (the layer cuts its scan there and
+        hands each state to ``keep``), so that ``snapshot(..., end)`` can give the layer as it was there; the states
+        kept for earlier marks are dropped."""
+        self.marks, self.kept = tuple(offsets), {}
+
+    def cuts(self, n: int) -> list[int]:
+        """The marks strictly inside the next ``n`` tokens, as positions of that call (0 < cut < n), in order: where
+        the layer hands over its state."""
+        return sorted(m - self.offset for m in self.marks if self.offset < m < self.offset + n)
+
+    def keep(self, at: int, conv_state: mx.array, recurrent_state: mx.array) -> None:
+        """The state after the first ``at`` tokens of the call now running (before ``advance``)."""
+        self.kept[self.offset + at] = (conv_state, recurrent_state)
+
+    def snapshot(self, row: int, pad: int, end: int) -> tuple:
+        """Row ``row``'s ``(conv_state [1, K-1, C], recurrent_state [1, H, Dv, Dk])`` after ``end`` tokens (the
+        offset, or a mark the last forward call passed; ``(None, None)`` while empty): this layer's entry of a
+        ``CacheSnapshot``. A one-row cache's arrays are shared, a batch row's copied; ``pad`` does not matter (the
+        state summarises the real tokens only)."""
+        if end == self.offset:
+            state = self.checkpoint()
+        elif end in self.kept:
+            state = self.kept[end]
+        else:
+            raise CheckpointError(f"no KDA state kept at offset {end} (cache at {self.offset}, kept at "
+                                  f"{sorted(self.kept)}): mark() the offset before the forward call that passes it")
+        return tuple(a if a is None or a.shape[0] == 1 else _copy(a[row : row + 1]) for a in state)
 
     def load_snapshot(self, state: tuple, offset: int) -> None:
         """Hold a snapshot's ``state`` (shared) as the state after ``offset`` tokens."""
@@ -466,6 +505,7 @@ class KDACache(_LayerCache):
         self.conv_state, self.recurrent_state = (None if a is None else a[idx] for a in self.checkpoint())
         self.offset -= drop
         self.left_padding = left_padding
+        self.mark(())
 
     def merge(self, parts: list["KDACache"], rows: list[int], keep_row_pages: bool) -> None:
         """Become the batch of ``parts`` (this cache empty, with the batch's left padding; ``rows``: each part's
@@ -606,20 +646,35 @@ class HybridCache(list):
         self.restore(cp)
         return n
 
-    def snapshot(self, row: int = 0) -> CacheSnapshot:
-        """Row ``row`` of this (possibly left-padded) batch cache as a ``CacheSnapshot``, its padding dropped.
+    def mark(self, offsets) -> None:
+        """Snapshot points inside the next forward call: each KDA layer keeps its state at these offsets (each after
+        the current offset) as the call passes them, so that ``snapshot(row, at=offset)`` gives the cache as it was
+        there, after the call, and one call does what a call per snapshot point did (same scan, chunks restarting at
+        each mark). Marks and kept states last until the next ``mark``, ``restore`` or ``filter``."""
+        offsets = tuple(sorted(int(p) for p in offsets))
+        if offsets and offsets[0] <= self.offset:
+            raise ValueError(f"mark offsets must be after the cache's offset {self.offset}, got {list(offsets)}")
+        for c in self:
+            c.mark(offsets)
+
+    def snapshot(self, row: int = 0, at: Optional[int] = None) -> CacheSnapshot:
+        """Row ``row`` of this (possibly left-padded) batch cache as a ``CacheSnapshot``, its padding dropped: after
+        ``at`` tokens (None: all of them; else an offset the last forward call passed and ``mark`` named).
 
         The snapshot shares the full latent pages it can (see the module doc) and copies the rest (a partial last
         page, a batch row's positions), evaluated; later writes to the cache never reach it.
         """
         offset = _common_offset(self, "snapshot")
+        at = offset if at is None else at
+        if not 0 <= at <= offset:
+            raise ValueError(f"cannot snapshot at offset {at} of a cache of {offset} tokens")
         rows = _rows(self)
         if not 0 <= row < rows:
             raise IndexError(f"row {row} out of range for a cache of {rows} rows")
         pad = int(self[0].left_padding[row].item()) if self[0].left_padding is not None else 0
-        pad = min(pad, offset)
-        states = tuple(c.snapshot(row, pad) for c in self)
-        snap = CacheSnapshot(offset - pad, tuple(c.is_kda for c in self), states, _kv_quant(self))
+        pad = min(pad, at)
+        states = tuple(c.snapshot(row, pad, at) for c in self)
+        snap = CacheSnapshot(at - pad, tuple(c.is_kda for c in self), states, _kv_quant(self))
         mx.eval([a for h in snap.holders() for a in (h.arrays if isinstance(h, LatentPage) else [h])])
         return snap
 

@@ -1044,6 +1044,21 @@ BUGS: tuple[PlantedBug, ...] = (
         (("kimi_mlx/ops/mla_paths.py", "        return S - T + r0, S - T + r1\n", "        return S - T + r0, S\n"),),
         ("tests/test_mla_paths.py::test_causal_tiles_skip_hidden_keys",),
     ),
+    PlantedBug(
+        "KDA layer at a marked snapshot point: keeps the state of the call's end instead of the mark's",
+        (("kimi_mlx/layers/kda.py", "            if b < T:\n                cache.keep(b, conv_state, state)\n", ""),
+         ("kimi_mlx/layers/kda.py", "            cache.conv_state, cache.recurrent_state = conv_state, state\n",
+          "            cache.conv_state, cache.recurrent_state = conv_state, state\n"
+          "            for b in cache.cuts(T):\n                cache.keep(b, conv_state, state)\n")),
+        ("tests/test_cache_marks.py::test_marked_call_equals_one_call_per_snapshot_point",
+         "tests/test_server_scheduler.py::test_resent_turn_prefills_in_one_call_through_its_snapshot_points"),
+    ),
+    PlantedBug(
+        "latent cache snapshot at a mark: holds every position written, not those before the mark",
+        (("kimi_mlx/cache.py", "return tuple(self.row_pages(row, pad, end)) if self.pages and end > pad else ()",
+          "return tuple(self.row_pages(row, pad)) if self.pages and end > pad else ()"),),
+        ("tests/test_cache_marks.py::test_marked_call_equals_one_call_per_snapshot_point",),
+    ),
 )
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+from kimi_mlx.cache import cache_from_snapshot
 from kimi_mlx.generate import batch_generate
 from kimi_mlx.loading import load_model
 from kimi_mlx.parallel import param_bytes
@@ -85,6 +86,10 @@ def run(model, n_tokens):
     out["restored_tokens"], out["restored"] = greedy(model, cache, first, 4)
     out["batch_tokens"], steps = batch_generate(model, BATCH, n_tokens)
     out["batch"] = mx.stack(steps)
+    marked = model.make_cache()  # a snapshot inside one call (the server's prefill), resumed for the rest
+    marked.mark([13])
+    model(ids, cache=marked)
+    out["marked"] = model(ids[:, 13:], cache=cache_from_snapshot(marked.snapshot(at=13)))[:, -1]
     return out
 
 
@@ -100,7 +105,7 @@ for case in cases:
     diff = lambda key: float(mx.abs(got[key] - ref[key]).max())
     logits = b"".join(np.array(got[k]).tobytes() for k in ("full", "decode", "batch"))
     results[case] = {
-        "max_diff": {k: diff(k) for k in ("full", "decode", "restored", "batch")},
+        "max_diff": {k: diff(k) for k in ("full", "decode", "restored", "batch", "marked")},
         "restored_vs_first": float(mx.abs(got["restored"] - got["decode"]).max()),
         "tokens": got["tokens"], "ref_tokens": ref["tokens"], "restored_tokens": got["restored_tokens"],
         "batch_tokens": got["batch_tokens"], "ref_batch_tokens": ref["batch_tokens"],
@@ -131,8 +136,8 @@ CASES = {
 @pytest.mark.parametrize("n", [2, 3])
 def test_tensor_parallel_matches_single_process(tmp_path, n):
     """Every rank, every case: logits within TOL of one process (full forward, prefill + decode through the cache,
-    restored checkpoint, ragged batch), the same greedy tokens, bit-identical logits on all ranks, and less than the
-    whole model's parameter bytes."""
+    restored checkpoint, ragged batch, a prefill resumed from a snapshot marked inside one call), the same greedy
+    tokens, bit-identical logits on all ranks, and less than the whole model's parameter bytes."""
     ranks = run_ranks(RANK_SCRIPT, n, tmp_path, args=(KL_FIXTURE.parent, CASES[n]))
     for case in CASES[n].split(","):
         per_rank = [r[case] for r in ranks]

@@ -204,12 +204,13 @@ class _CountingModel:
         return getattr(self.model, name)
 
 
-def test_resent_turn_prefills_from_snapshot_point_to_snapshot_point(demo, engine):
+def test_resent_turn_prefills_in_one_call_through_its_snapshot_points(demo, engine):
     """A re-sent agent conversation (messages: system, user, assistant tool call, tool result; each turn ends with
-    the generation prompt): turn 2 prefills its new tokens from the previous prompt's end in one forward call per
-    message boundary inside them, up to its own prompt's end (all but the last token: the first decode input), with
-    no call stopping where the last message ends, a few tokens short of it. Its reply is the single-request greedy
-    one, and a regenerated turn 2 resumes from its prompt's end."""
+    the generation prompt): each turn prefills its new tokens in one forward call, from the previous prompt's end to
+    its own prompt's end (all but the last token: the first decode input), and still leaves a snapshot at every
+    message boundary inside them (marked in the call). Its reply is the single-request greedy one; a regenerated
+    turn 2 resumes from its prompt's end, and a turn 2 whose tool result is edited resumes where the assistant's
+    message ends, with the reply of that prompt on a cold engine."""
     model, tok = demo
     counting = _CountingModel(model)
     e = engine(counting, checkpoint_interval=0)
@@ -218,16 +219,21 @@ def test_resent_turn_prefills_from_snapshot_point_to_snapshot_point(demo, engine
     p1 = system + user + gen
     _, _, fin = _run(e.submit(GenerationRequest(p1, 4, boundaries=(S, S + U), system_end=S)))
     assert fin.cached_tokens == 0
-    assert [n for n in counting.calls if n > 1] == [S, U + G - 1]
+    assert [n for n in counting.calls if n > 1] == [S + U + G - 1]
     counting.calls.clear()
     p2 = p1 + call + result + gen  # the assistant message starts with the generation prompt's tokens
-    req = GenerationRequest(p2, 4, boundaries=(S, S + U, S + U + G + A, S + U + G + A + T), system_end=S)
+    bounds = (S, S + U, S + U + G + A, S + U + G + A + T)
+    req = GenerationRequest(p2, 4, boundaries=bounds, system_end=S)
     reply, _, fin = _run(e.submit(req))
     assert fin.cached_tokens == len(p1) - 1
-    assert [n for n in counting.calls if n > 1] == [A + 1, T + G - 1]  # new: from len(p1) - 1 to len(p2) - 1
+    assert [n for n in counting.calls if n > 1] == [A + 1 + T + G - 1]  # new: from len(p1) - 1 to len(p2) - 1
     assert reply == _reference(model, tok, p2, 4)
     _, _, fin = _run(e.submit(req))
     assert fin.cached_tokens == len(p2) - 1
+    edited = p1 + call + [(result[0] + 1) % 512] + result[1:] + gen
+    reply, _, fin = _run(e.submit(GenerationRequest(edited, 4, boundaries=bounds, system_end=S)))
+    assert fin.cached_tokens == S + U + G + A
+    assert reply == _reference(model, tok, edited, 4)
 
 
 def test_many_threads_submit(demo, engine):

@@ -126,7 +126,15 @@ class KimiDeltaAttention(nn.Module):
         proj = KDAProjections(qkv, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self._gate(x))
         # One decode step without padding runs as a single compiled graph (fewer, fused kernels).
         core = _kda_core_compiled if T == 1 and mask is None else _kda_core
-        o, conv_state, state = core(self._core_params(), proj, conv_state, state, mask)
+        params, outs, a = self._core_params(), [], 0
+        for b in (*(cache.cuts(T) if cache is not None else ()), T):  # a marked snapshot point: the state there
+            part = proj if (a, b) == (0, T) else KDAProjections(*(p[:, a:b] for p in proj))
+            o, conv_state, state = core(params, part, conv_state, state, None if mask is None else mask[:, a:b])
+            if b < T:
+                cache.keep(b, conv_state, state)
+            outs.append(o)
+            a = b
+        o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)  # [B, T, H*D]
         if cache is not None:
             cache.conv_state, cache.recurrent_state = conv_state, state
             cache.advance(T)

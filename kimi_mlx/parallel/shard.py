@@ -263,6 +263,8 @@ class IdleKDA(nn.Module):
             B, D = x.shape[0], self.head_dim
             cache.conv_state = mx.depends(mx.zeros((B, self.conv_kernel - 1, 0), x.dtype), x)
             cache.recurrent_state = mx.depends(mx.zeros((B, 0, D, D), mx.float32), x)
+            for at in cache.cuts(x.shape[1]):
+                cache.keep(at, cache.conv_state, cache.recurrent_state)
             cache.advance(x.shape[1])
         return self.all_sum(mx.zeros_like(x))
 

@@ -5,8 +5,9 @@ One engine thread owns the model and the caches. Each loop turn it
 2. prefills waiting requests, up to ``prefill_chunk`` tokens per turn in all, each in its own one-row cache that
    starts from the longest prefix-cache snapshot of its prompt (``PrefixCache``); snapshots are taken at message
    boundaries, at the end of the system prompt, every ``checkpoint_interval`` tokens and at the prompt's end (all
-   but its last token), which stands for the end of the last message: a prefill forward runs from one snapshot
-   point to the next, so the new tokens of a re-sent conversation go in as few, long calls;
+   but its last token), which stands for the end of the last message: one prefill forward call runs through the
+   snapshot points in its tokens (``HybridCache.mark``: the KDA layers keep their state there) and the snapshots
+   are taken after it, so the new tokens of a re-sent conversation go in as one long call;
 3. a request whose prompt (all but its last token) is in its cache joins the batch (``merge_caches``: rows
    left-padded to a common length); its last prompt token is its first decode input;
 4. runs one decode step for the whole batch ``[B, 1]`` and samples each row with its own settings
@@ -550,9 +551,9 @@ class Scheduler:
         drafter.prepare(self.model, _target(req.sampling), row.sampler.processors)
         return drafter
 
-    def _snapshot(self, tokens: list[int], cache: HybridCache, row: int, kind: str) -> None:
+    def _snapshot(self, tokens: list[int], cache: HybridCache, row: int, kind: str, at: Optional[int] = None) -> None:
         if self.prefix_cache is not None:
-            _, evicted = self.prefix_cache.insert(tokens, cache.snapshot(row), kind)
+            _, evicted = self.prefix_cache.insert(tokens, cache.snapshot(row, at), kind)
             self._evicted += evicted
 
     def _prefill(self) -> None:
@@ -565,13 +566,14 @@ class Scheduler:
                 continue
             end = len(row.request.tokens) - 1
             while row.done < end and budget > 0:
-                stop = min((p for p in row.stops if p > row.done), default=end)
-                n = min(stop - row.done, budget)
+                n = min(end - row.done, budget)
+                points = sorted(p for p in row.stops if row.done < p <= row.done + n)
+                row.cache.mark(points)
                 self._forward(row, n)
                 row.done += n
                 budget -= n
-                if row.done in row.stops:
-                    self._snapshot(row.key[: row.done], row.cache, 0, row.stops[row.done])
+                for p in points:  # each snapshot point the call passed, as the cache was there
+                    self._snapshot(row.key[:p], row.cache, 0, row.stops[p], at=p)
             if row.done == end:
                 self._waiting.remove(row)
                 self._batch = row.cache if self._batch is None else merge_caches(
