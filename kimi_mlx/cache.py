@@ -418,7 +418,9 @@ def _new_layer(is_kda: bool, quant: Optional[tuple[int, int]], left_padding: Opt
 
 class KDACache(_LayerCache):
     """Short-conv state and recurrent state of one KDA layer. A running summary: it cannot drop tokens by itself
-    (mlx-lm's ``is_trimmable`` is False), it is rolled back to a ``checkpoint()`` by ``restore``."""
+    (mlx-lm's ``is_trimmable`` is False), it is rolled back to a ``checkpoint()`` by ``restore``, and it keeps its
+    state at the offsets ``mark`` names inside the next forward call (the layer asks for ``cuts`` and hands each
+    state to ``keep``), for a ``snapshot`` there."""
 
     is_kda = True
 
